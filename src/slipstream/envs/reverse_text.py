@@ -1,0 +1,72 @@
+"""reverse-text (as in prime-rl): reverse a short English text character by character.
+
+Reward is the difflib similarity ratio between the model's answer and the reversed text.
+"""
+
+import difflib
+import random
+import re
+from collections.abc import Sequence
+
+from slipstream.envs.base import Task
+
+SYSTEM_PROMPT = (
+    "Reverse the text the user gives you character by character. "
+    "Answer with the reversed text between <reversed_text> and </reversed_text>, and nothing else."
+)
+
+_WORDS = (
+    "apple river stone cloud garden window silver quiet bright forest yellow ocean mountain paper "
+    "candle morning winter summer little green orange simple market travel dinner letter friend "
+    "castle engine planet rocket mirror button pencil basket honey lemon tiger rabbit horse "
+    "bridge street island valley desert thunder shadow golden purple gentle happy sudden narrow "
+    "ancient modern silent frozen wooden broken hidden open empty heavy light warm cold fast slow "
+    "old new red blue black white small large long short sweet bitter soft hard clean dark early "
+    "late lamp chair table music dream story voice smile water fire earth wind sun moon star "
+    "road door book song bird fish tree leaf rain snow sand salt bread milk coffee tea sugar"
+).split()
+_ANSWER_RE = re.compile(r"<reversed_text>(.*?)(?:</reversed_text>|$)", re.DOTALL)
+SPLITS = ("train", "eval")
+
+
+class ReverseTextEnv:
+    """Tasks are `min_words`..`max_words` random words, generated deterministically from `seed`."""
+
+    name = "reverse_text"
+
+    def __init__(
+        self, num_tasks: int = 1000, num_eval_tasks: int = 64, min_words: int = 3, max_words: int = 8, seed: int = 0
+    ) -> None:
+        if not 1 <= min_words <= max_words:
+            raise ValueError(f"reverse_text needs 1 <= min_words <= max_words, got {min_words} and {max_words}")
+        if num_tasks < 1 or num_eval_tasks < 0:
+            raise ValueError(
+                f"reverse_text needs num_tasks >= 1 and num_eval_tasks >= 0, got {num_tasks}, {num_eval_tasks}"
+            )
+        sizes = {"train": num_tasks, "eval": num_eval_tasks}
+        self._tasks = {split: _make_tasks(split, sizes[split], min_words, max_words, seed) for split in SPLITS}
+
+    def tasks(self, split: str) -> Sequence[Task]:
+        if split not in self._tasks:
+            raise ValueError(f"reverse_text has no split {split!r}; splits: {', '.join(SPLITS)}")
+        return self._tasks[split]
+
+    def reward(self, task: Task, completion_text: str) -> float:
+        return difflib.SequenceMatcher(None, parse_answer(completion_text), task.answer, autojunk=False).ratio()
+
+
+def parse_answer(completion_text: str) -> str:
+    """The text inside <reversed_text>...</reversed_text> (closing tag optional), else the whole stripped reply."""
+    match = _ANSWER_RE.search(completion_text)
+    return (match.group(1) if match else completion_text).strip()
+
+
+def _make_tasks(split: str, num_tasks: int, min_words: int, max_words: int, seed: int) -> list[Task]:
+    # A string seed is hashed with sha512 by `random`, so tasks are identical across processes and runs.
+    rng = random.Random(f"reverse_text:{split}:{seed}")
+    tasks = []
+    for i in range(num_tasks):
+        text = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(min_words, max_words)))
+        prompt = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": text}]
+        tasks.append(Task(id=f"{split}-{i}", prompt=prompt, answer=text[::-1], info={"text": text}))
+    return tasks

@@ -1,0 +1,66 @@
+"""Start vLLM's OpenAI-compatible server for Slipstream: dev-mode RL endpoints, our worker extension, and
+logprobs at the sampling temperature (the trainer's loss needs them)."""
+
+import os
+import sys
+from pathlib import Path
+
+from slipstream.config.inference import InferenceConfig
+
+WORKER_EXTENSION = "slipstream.inference.worker_ext.WeightLoaderExtension"
+
+
+def build_vllm_argv(config: InferenceConfig, model_path: Path) -> list[str]:
+    """Command line of the vLLM server (python -m vllm.entrypoints.openai.api_server ...)."""
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_path),
+        "--served-model-name", config.model.name,
+        "--host", config.host,
+        "--port", str(config.port),
+        "--dtype", config.model.dtype,
+        "--seed", str(config.seed),
+        "--max-model-len", str(config.max_model_len),
+        "--max-num-seqs", str(config.max_num_seqs),
+        "--tensor-parallel-size", str(config.tensor_parallel_size),
+        "--worker-extension-cls", WORKER_EXTENSION,
+        "--logprobs-mode", "processed_logprobs",
+        "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    if config.enforce_eager:
+        argv.append("--enforce-eager")
+    if _has_cuda():
+        argv += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+    return argv + list(config.extra_args)
+
+
+def build_vllm_env(config: InferenceConfig, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of the vLLM server: RL/admin endpoints on, no hub access, CPU-build sizing."""
+    env = dict(os.environ if base is None else base)
+    env.update(
+        VLLM_SERVER_DEV_MODE="1",  # enables /pause, /resume, /collective_rpc, /reset_prefix_cache
+        HF_HUB_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE=str(config.cpu_kv_cache_gib),
+        VLLM_CPU_OMP_THREADS_BIND=config.cpu_threads_bind,
+        VLLM_CONFIGURE_LOGGING="1",
+    )
+    return env
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def run_inference(config: InferenceConfig) -> int:
+    """Resolve the model folder and replace this process with the vLLM server."""
+    from slipstream.models.hub import resolve_model
+
+    model_path = resolve_model(config.model.name)
+    argv = build_vllm_argv(config, model_path)
+    print("starting vLLM:", " ".join(argv), flush=True)
+    os.execve(sys.executable, argv, build_vllm_env(config))

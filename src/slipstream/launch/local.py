@@ -1,0 +1,104 @@
+"""`slipstream rl` on one machine: write configs, start inference/trainer/orchestrator, supervise, stop cleanly."""
+
+import json
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from slipstream.config.rl import RLConfig
+from slipstream.launch.plan import build_plan, write_configs
+from slipstream.launch.supervisor import ChildFailed, Supervisor, tail
+
+
+class _Stop(Exception):
+    """SIGINT/SIGTERM received."""
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+def run_rl(config: RLConfig) -> int:
+    """Run the whole RL job; return the exit code (0 = all steps done)."""
+    config.output_dir.mkdir(parents=True, exist_ok=True)
+    write_configs(config)
+    specs = {spec.name: spec for spec in build_plan(config)}
+    sup = Supervisor(grace_s=config.launch.shutdown_grace_s)
+    old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    start = time.monotonic()
+    try:
+        _say(f"run directory {config.output_dir} (logs in {config.output_dir / 'logs'})")
+        sup.start(specs["inference"])
+        sup.start(specs["trainer"])
+        wait_healthy(sup, config.inference.url, config.launch.health_timeout_s)
+        _say(f"inference healthy after {time.monotonic() - start:.0f}s at {config.inference.url}")
+        sup.start(specs["orchestrator"])
+        watch_until_done(sup, config)
+        _say(f"done: {config.max_steps} steps in {time.monotonic() - start:.0f}s; metrics in {config.output_dir}")
+        return 0
+    except ChildFailed as e:
+        _say(f"error: {e}; last lines of its log:\n{tail(e.log_path)}", err=True)
+        return 1
+    except TimeoutError as e:
+        _say(f"error: {e}", err=True)
+        return 1
+    except _Stop as e:
+        _say(f"received {e}; stopping all processes", err=True)
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the clean stop
+        sup.stop_all()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def wait_healthy(sup: Supervisor, url: str, timeout_s: float) -> None:
+    """Poll GET {url}/health while watching the children; raise TimeoutError naming what was awaited."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        sup.check()
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(
+        f"inference server did not answer {url}/health within {timeout_s:.0f}s; "
+        "see logs/inference.log, or raise launch.health_timeout_s"
+    )
+
+
+def watch_until_done(sup: Supervisor, config: RLConfig) -> None:
+    """Supervise until trainer and orchestrator have both finished; print one progress line per step."""
+    from slipstream.monitor.metrics import format_progress
+
+    metrics_path, offset = config.output_dir / "metrics.jsonl", 0
+    while True:
+        finished = sup.check()
+        offset = _print_new_metrics(metrics_path, offset, config.max_steps, format_progress)
+        if {"trainer", "orchestrator"} <= set(finished):
+            return
+        time.sleep(0.5)
+
+
+def _print_new_metrics(path: Path, offset: int, max_steps: int, fmt) -> int:
+    if not path.exists():
+        return offset
+    with open(path, "rb") as f:
+        f.seek(offset)
+        for line in iter(f.readline, b""):
+            if not line.endswith(b"\n"):
+                break  # partial line: read it next time
+            offset += len(line)
+            record = json.loads(line)
+            _say(fmt(record["step"], max_steps, record))
+    return offset
+
+
+def _say(message: str, err: bool = False) -> None:
+    print(f"[slipstream] {message}", file=sys.stderr if err else sys.stdout, flush=True)

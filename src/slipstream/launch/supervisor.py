@@ -1,0 +1,123 @@
+"""Start child processes in their own process groups, watch them, and stop all of them together.
+
+No orphans: every child leads its own session, so stopping a child signals its whole group; descendants
+that leave the group (torchrun starts its workers in new sessions) are tracked on every check and signalled
+too. Children also get SIGKILL if the launcher itself dies (PR_SET_PDEATHSIG).
+"""
+
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from collections import deque
+from pathlib import Path
+
+import psutil
+
+from slipstream.launch.plan import ProcessSpec
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass  # not Linux/glibc: process groups still give a clean stop
+
+
+class ChildFailed(RuntimeError):
+    """A child process exited when it should not have."""
+
+    def __init__(self, name: str, returncode: int, log_path: Path):
+        self.name, self.returncode, self.log_path = name, returncode, log_path
+        how = f"was killed by signal {-returncode}" if returncode < 0 else f"exited with code {returncode}"
+        super().__init__(f"{name} {how} (log: {log_path})")
+
+
+class Supervisor:
+    """Owns the children of one run."""
+
+    def __init__(self, grace_s: float = 10.0):
+        self.grace_s = grace_s
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.specs: dict[str, ProcessSpec] = {}
+        self.descendants: dict[int, float] = {}
+        """pid -> create time of every process seen below a child (a pid is only signalled if it is still that one)."""
+
+    def start(self, spec: ProcessSpec) -> None:
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(spec.log_path, "ab") as log:
+            self.procs[spec.name] = subprocess.Popen(
+                spec.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **spec.env},
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        self.specs[spec.name] = spec
+
+    def check(self) -> list[str]:
+        """Raise ChildFailed for a child that failed; return the names of children that finished cleanly."""
+        self._track_descendants()
+        finished = []
+        for name, proc in self.procs.items():
+            rc = proc.poll()
+            if rc is None:
+                continue
+            if rc != 0 or self.specs[name].must_run_to_end:
+                raise ChildFailed(name, rc, self.specs[name].log_path)
+            finished.append(name)
+        return finished
+
+    def _track_descendants(self) -> None:
+        for proc in self.procs.values():
+            try:
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    self.descendants.setdefault(child.pid, child.create_time())
+            except psutil.Error:
+                continue  # the child itself is gone; its descendants were recorded earlier
+
+    def _signal_descendants(self, sig: int) -> None:
+        for pid, created in list(self.descendants.items()):
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == created:
+                    p.send_signal(sig)
+            except psutil.Error:
+                self.descendants.pop(pid, None)
+
+    def stop_all(self) -> None:
+        """SIGTERM every child's process group and descendants, then SIGKILL what is left after the grace period."""
+        self._track_descendants()
+        for proc in self.procs.values():
+            _signal_group(proc, signal.SIGTERM)
+        self._signal_descendants(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.procs.values():
+            _signal_group(proc, signal.SIGKILL)  # also reaps grandchildren left in the group
+            proc.wait()
+        self._signal_descendants(signal.SIGKILL)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def tail(path: Path, num_lines: int = 30) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=num_lines))
+    except FileNotFoundError:
+        return "(no log written)\n"

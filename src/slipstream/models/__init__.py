@@ -1,0 +1,1 @@
+"""Model families (plain nn.Modules), model acquisition (alias registry, GGUF import) and tiny test models."""

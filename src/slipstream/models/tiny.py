@@ -1,0 +1,160 @@
+"""Tiny random models (llama, qwen3, qwen3_moe) with a locally trained byte-level BPE tokenizer, for tests.
+
+Built in a few seconds, deterministic for a seed, saved as float32 safetensors that transformers and vLLM (CPU) load.
+"""
+
+import json
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+from slipstream.models.hub import check_replaceable, finalize_model_dir
+from slipstream.utils.fs import commit_dir
+
+FAMILIES = ("llama", "qwen3", "qwen3_moe")
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]  # ids 0, 1, 2
+MAX_POSITIONS = 2048
+# ChatML, as Qwen uses; no default system prompt.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_NOUNS = "cat dog bird river mountain city teacher student robot garden ocean apple book house tree friend".split()
+_ADJS = "small quick lazy bright quiet green happy old young heavy warm cold red blue strange gentle".split()
+_VERBS = "sees likes finds follows builds paints reads helps watches carries answers visits".split()
+_QUESTIONS = ["What is", "How many", "Why does", "Where is", "Can you tell me", "Please explain"]
+_PROSE = (
+    "Once upon a time there was a little village by the sea. Every morning the people would walk down to the "
+    "harbour, where boats came back from the night with fish, stories and news from distant places. Children "
+    "played between the nets while their parents worked, and an old woman sold bread, cheese and hot soup. "
+    "When the weather changed, everyone gathered in the hall to listen to music, share dinner and discuss "
+    "important questions: should we build a new bridge, plant more trees, or open a school for mathematics? "
+    "Thinking carefully, step by step, usually gives the correct answer. First, read the problem. Second, write "
+    "down what you know. Third, compute the result and check it again. Finally, report the number clearly. "
+    "Python functions return values; a list contains items; the computer prints output and reads input. "
+    "Science, history, language, geography and physics are subjects that students learn during the year."
+)
+_WORDS = sorted({w.strip(".,:;?!").lower() for w in _PROSE.split()} | set(_NOUNS + _ADJS + _VERBS))
+
+
+def _corpus() -> list[str]:
+    """A fixed, generated English corpus (sentences, questions, arithmetic, chat turns) to train the tokenizer."""
+    rng = random.Random(1234)
+    lines = []
+    for _ in range(3000):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        n1, n2 = rng.choice(_NOUNS), rng.choice(_NOUNS)
+        lines += [
+            f"The {rng.choice(_ADJS)} {n1} {rng.choice(_VERBS)} the {rng.choice(_ADJS)} {n2}.",
+            f"{rng.choice(_QUESTIONS)} the {n1} near the {n2}? It is {rng.choice(_ADJS)}, isn't it?",
+            f"{a} + {b} = {a + b}. {a} * {b % 13} = {a * (b % 13)}. The answer is {a - b}.",
+            f"{IM_START}user\nWhat is {a} plus {b}?{IM_END}\n{IM_START}assistant\nThe answer is {a + b}.{IM_END}",
+            " ".join(rng.choice(_WORDS) for _ in range(12)).capitalize() + ".",
+        ]
+    return lines + _PROSE.split(". ")
+
+
+def build_tokenizer(vocab_size: int = 512):
+    """Train a byte-level BPE (digits split one by one) and wrap it as a `PreTrainedTokenizerFast` with ChatML."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=MAX_POSITIONS,
+    )
+
+
+def build_config(family: str, vocab_size: int, eos_token_id: int, pad_token_id: int):
+    """2 layers, hidden 128, 4 query / 2 KV heads of head_dim 64 (vLLM CPU attention supports 64); MoE: 8 experts, top 2.
+
+    llama ties its embeddings (like SmolLM2); qwen3 and qwen3_moe do not, so tests cover both layouts.
+    """
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-6,
+        initializer_range=0.1,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )
+    if family == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=True)
+    if family == "qwen3":
+        return Qwen3Config(**common, tie_word_embeddings=False)
+    if family == "qwen3_moe":
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1)
+        return Qwen3MoeConfig(**common, **moe, mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False)
+    raise ValueError(f"unknown tiny model family '{family}' (known: {', '.join(FAMILIES)})")
+
+
+def _add_hub_style_num_experts(config_path: Path) -> None:
+    """transformers 5 saves `num_local_experts`; Qwen3-MoE checkpoints (and transformers 4.x) use `num_experts`."""
+    config = json.loads(config_path.read_text())
+    config["num_experts"] = config["num_local_experts"]
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def build_tiny_model(family: str, out_dir: Path, seed: int = 0, vocab_size: int = 512) -> Path:
+    """Build a random tiny `family` model + tokenizer into `out_dir` (replaced atomically if it is a model folder)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown tiny model family '{family}' (known: {', '.join(FAMILIES)})")
+    if vocab_size < 300:
+        raise ValueError(f"vocab_size must be >= 300 (256 byte tokens + specials + merges), got {vocab_size}")
+    out_dir = Path(out_dir).expanduser().resolve()
+    check_replaceable(out_dir)
+    tokenizer = build_tokenizer(vocab_size)
+    if len(tokenizer) > vocab_size:
+        raise RuntimeError(f"trained tokenizer has {len(tokenizer)} tokens, more than vocab_size={vocab_size}")
+    config = build_config(family, vocab_size, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        model.save_pretrained(tmp_dir)
+        tokenizer.save_pretrained(tmp_dir)
+        finalize_model_dir(tmp_dir, MAX_POSITIONS)
+        if family == "qwen3_moe":
+            _add_hub_style_num_experts(tmp_dir / "config.json")
+        commit_dir(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return out_dir

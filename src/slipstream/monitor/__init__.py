@@ -1,0 +1,1 @@
+"""Metrics sinks and progress display shared by the processes."""

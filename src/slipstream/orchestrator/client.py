@@ -1,0 +1,133 @@
+"""HTTP client of the vLLM server: health, chat rollouts, prompt scoring and the dev-mode weight-update calls.
+
+Weight updates need the server started with VLLM_SERVER_DEV_MODE=1 (`/pause`, `/collective_rpc`, ...).
+"""
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+LOAD_WEIGHTS_METHOD = "slipstream_load_weights"
+"""Worker-extension method that loads a published `weights/step_N` directory in place."""
+
+
+class InferenceError(RuntimeError):
+    """The inference server answered with an error or with a response Slipstream cannot use."""
+
+
+class InferenceClient:
+    """Async client of one vLLM OpenAI-compatible server. Use as `async with InferenceClient(...) as client`."""
+
+    def __init__(self, base_url: str, model_name: str, request_timeout_s: float) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model_name = model_name
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=request_timeout_s, limits=limits)
+
+    async def __aenter__(self) -> "InferenceClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._http.aclose()
+
+    async def post(self, path: str, json: Any = None, params: Mapping[str, str] | None = None) -> Any:
+        """POST and return the decoded JSON body (None for an empty body); errors name the call and the reply."""
+        try:
+            response = await self._http.post(path, json=json, params=params)
+        except httpx.HTTPError as e:
+            raise InferenceError(f"POST {self.base_url}{path} failed: {type(e).__name__}: {e}") from e
+        if response.status_code != 200:
+            raise InferenceError(
+                f"POST {self.base_url}{path} returned HTTP {response.status_code}: {response.text[:1000]}"
+            )
+        return response.json() if response.content else None
+
+    async def wait_healthy(self, timeout_s: float, poll_s: float = 0.5) -> None:
+        """Block until GET /health answers 200; TimeoutError says which server was awaited."""
+        deadline = time.monotonic() + timeout_s
+        last = "no answer yet"
+        while True:
+            try:
+                response = await self._http.get("/health", timeout=min(10.0, timeout_s))
+                if response.status_code == 200:
+                    return
+                last = f"HTTP {response.status_code}"
+            except httpx.HTTPError as e:
+                last = f"{type(e).__name__}: {e}"
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"waited {timeout_s:.0f}s for the inference server at {self.base_url}/health (last: {last}); "
+                    "is it running, and is orchestrator.inference_url right?"
+                )
+            await asyncio.sleep(poll_s)
+
+    async def chat(self, messages: list[dict[str, Any]], sampling: Mapping[str, Any], n: int, cache_salt: str) -> dict:
+        """One chat completion with `n` samples, returning token ids and per-token logprobs (token-in/token-out)."""
+        body = {
+            "model": self.model_name,
+            "messages": messages,
+            "n": n,
+            **sampling,
+            "logprobs": True,
+            "top_logprobs": 0,
+            "return_token_ids": True,
+            "cache_salt": cache_salt,
+        }
+        return await self.post("/v1/chat/completions", json=body)
+
+    async def score_tokens(self, token_ids: list[int], cache_salt: str) -> list[float]:
+        """Log-prob of each token given its prefix at temperature 1: entry i scores token_ids[i + 1]."""
+        body = {
+            "model": self.model_name,
+            "prompt": token_ids,
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "prompt_logprobs": 0,
+            "cache_salt": cache_salt,
+        }
+        reply = await self.post("/v1/completions", json=body)
+        return parse_prompt_logprobs(reply, token_ids, f"{self.base_url}/v1/completions")
+
+    async def load_weights(self, weights_path: str) -> list[Any]:
+        """Pause (keeping in-flight requests), load `weights_path` on every worker, drop the prefix cache, resume.
+
+        Returns the worker extension's results, one per worker.
+        """
+        await self.post("/pause", params={"mode": "keep"})
+        try:
+            reply = await self.post("/collective_rpc", json={"method": LOAD_WEIGHTS_METHOD, "args": [weights_path]})
+            results = (reply or {}).get("results")
+            if not results:
+                raise InferenceError(
+                    f"/collective_rpc {LOAD_WEIGHTS_METHOD}({weights_path}) returned no worker results: {reply!r}; "
+                    "is the server started with Slipstream's worker extension?"
+                )
+            reset = await self.post("/reset_prefix_cache")
+            if not (reset or {}).get("success", False):
+                # Correctness does not depend on it: new requests carry a per-version cache_salt.
+                print(f"[orchestrator] note: /reset_prefix_cache did not free the cache: {reset!r}", flush=True)
+        finally:
+            await self.post("/resume")
+        return results
+
+
+def parse_prompt_logprobs(reply: dict, token_ids: list[int], where: str) -> list[float]:
+    """Pick, from a completions reply with `prompt_logprobs`, the log-prob of each actual prompt token after the first."""
+    try:
+        entries = reply["choices"][0]["prompt_logprobs"]
+    except (KeyError, IndexError, TypeError) as e:
+        raise InferenceError(f"{where}: reply has no choices[0].prompt_logprobs: {str(reply)[:500]}") from e
+    if entries is None or len(entries) != len(token_ids):
+        got = None if entries is None else len(entries)
+        raise InferenceError(f"{where}: {got} prompt_logprobs entries for a prompt of {len(token_ids)} tokens")
+    logprobs = []
+    for i in range(1, len(token_ids)):
+        entry = entries[i] or {}
+        picked = entry.get(str(token_ids[i]))
+        if picked is None:
+            raise InferenceError(f"{where}: prompt_logprobs[{i}] lacks the prompt token {token_ids[i]}: {entry!r}")
+        logprobs.append(float(picked["logprob"]))
+    return logprobs

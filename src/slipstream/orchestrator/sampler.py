@@ -1,0 +1,40 @@
+"""Deterministic task sampling: the train split is reshuffled every epoch from (seed, epoch).
+
+The tasks of a step depend only on (seed, step), so a resumed run continues the same sequence.
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from slipstream.envs.base import Task
+
+
+class TaskSampler:
+    """Yields `tasks_per_step` tasks for each step, walking epoch-wise permutations of `tasks`."""
+
+    def __init__(self, tasks: Sequence[Task], tasks_per_step: int, seed: int) -> None:
+        if not tasks:
+            raise ValueError("the environment's train split has no tasks")
+        if tasks_per_step < 1:
+            raise ValueError(f"tasks_per_step must be >= 1, got {tasks_per_step}")
+        self.tasks = tasks
+        self.tasks_per_step = tasks_per_step
+        self.seed = seed
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.tasks))}
+        return self._perms[epoch]
+
+    def tasks_for_step(self, step: int) -> list[Task]:
+        """Tasks of `step` (1-based)."""
+        if step < 1:
+            raise ValueError(f"steps start at 1, got {step}")
+        start = (step - 1) * self.tasks_per_step
+        picked = []
+        for index in range(start, start + self.tasks_per_step):
+            epoch, offset = divmod(index, len(self.tasks))
+            picked.append(self.tasks[int(self._permutation(epoch)[offset])])
+        return picked

@@ -1,0 +1,1 @@
+"""Data planes between processes: rollouts (orchestrator -> trainer) and weights (trainer -> inference)."""

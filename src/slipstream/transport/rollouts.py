@@ -1,0 +1,88 @@
+"""Training batches on the filesystem: `rollouts/step_N/rank_R.msgpack`, msgspec-encoded, written atomically.
+
+Token arrays of a micro-batch are aligned with `input_ids`: entry t describes token t. Several samples are
+packed into one micro-batch; `position_ids` restart at 0 where a new sample begins.
+"""
+
+import time
+from pathlib import Path
+
+import msgspec
+
+from slipstream.utils.fs import atomic_write_bytes
+
+BATCH_FORMAT_VERSION = 1
+
+
+class MicroBatch(msgspec.Struct, frozen=True):
+    """Packed samples for one forward/backward pass."""
+
+    input_ids: list[int]
+    """Prompt and completion tokens of every sample, concatenated."""
+    position_ids: list[int]
+    """Position of each token inside its own sample (restarts at 0 per sample)."""
+    loss_mask: list[bool]
+    """True where the token was sampled by the policy and carries loss."""
+    advantages: list[float]
+    """Advantage of the token's sample (0 where loss_mask is False)."""
+    inference_logprobs: list[float]
+    """Log-prob inference gave the token when sampling it (0 where loss_mask is False)."""
+    temperatures: list[float]
+    """Sampling temperature of the token (1.0 where loss_mask is False)."""
+
+
+class TrainingBatch(msgspec.Struct, frozen=True):
+    """One trainer rank's share of one step."""
+
+    step: int
+    rank: int
+    num_loss_tokens: int
+    """Loss tokens of the whole step across all ranks: the loss normaliser."""
+    micro_batches: list[MicroBatch]
+    metrics: dict[str, float] = {}
+    """Orchestrator metrics of this step (rewards, lengths, policy lag), logged by the trainer."""
+    format_version: int = BATCH_FORMAT_VERSION
+
+
+class BatchFormatError(ValueError):
+    """A batch file is malformed or of another format version."""
+
+
+def batch_path(output_dir: Path, step: int, rank: int) -> Path:
+    return Path(output_dir) / "rollouts" / f"step_{step}" / f"rank_{rank}.msgpack"
+
+
+def write_batch(output_dir: Path, batch: TrainingBatch) -> Path:
+    """Write one rank's batch atomically."""
+    path = batch_path(output_dir, batch.step, batch.rank)
+    atomic_write_bytes(path, msgspec.msgpack.encode(batch))
+    return path
+
+
+def read_batch(path: Path) -> TrainingBatch:
+    """Decode and validate a batch file; malformed files raise BatchFormatError naming the problem."""
+    try:
+        batch = msgspec.msgpack.decode(Path(path).read_bytes(), type=TrainingBatch)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise BatchFormatError(f"{path}: not a valid training batch: {e}") from e
+    if batch.format_version != BATCH_FORMAT_VERSION:
+        raise BatchFormatError(f"{path}: batch format {batch.format_version}, expected {BATCH_FORMAT_VERSION}")
+    for i, mb in enumerate(batch.micro_batches):
+        n = len(mb.input_ids)
+        lens = {len(mb.position_ids), len(mb.loss_mask), len(mb.advantages), len(mb.inference_logprobs)}
+        if lens | {len(mb.temperatures)} != {n}:
+            raise BatchFormatError(f"{path}: micro_batches[{i}] has token arrays of different lengths")
+    return batch
+
+
+def wait_for_batch(output_dir: Path, step: int, rank: int, timeout_s: float, poll_s: float = 0.05) -> TrainingBatch:
+    """Block until the orchestrator has written this rank's batch of `step`; raise TimeoutError saying what was awaited."""
+    path = batch_path(output_dir, step, rank)
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"waited {timeout_s:.0f}s for the orchestrator's batch {path}; is the orchestrator running?"
+            )
+        time.sleep(poll_s)
+    return read_batch(path)

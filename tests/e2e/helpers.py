@@ -1,0 +1,60 @@
+"""Helpers for end-to-end runs: free ports, run configs, and finding every process a run started."""
+
+import socket
+from pathlib import Path
+
+import tomli_w
+
+MARKER_VAR = "SLIPSTREAM_TEST_RUN_ID"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def processes_with_marker(marker: str) -> list[int]:
+    """PIDs of live processes whose environment carries `marker` (every descendant of a run inherits it)."""
+    needle = f"{MARKER_VAR}={marker}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    pids.append(int(entry.name))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return pids
+
+
+def tiny_rl_config(model_dir: Path, output_dir: Path, max_steps: int, **sections) -> dict:
+    """A small, fast RL config for a tiny random model on CPU."""
+    config = {
+        "max_steps": max_steps,
+        "output_dir": str(output_dir),
+        "seed": 7,
+        "model": {"name": str(model_dir)},
+        "inference": {"port": free_port(), "max_model_len": 512, "max_num_seqs": 16, "cpu_kv_cache_gib": 1},
+        "orchestrator": {
+            "batch_size": 8,
+            "group_size": 4,
+            "micro_batch_tokens": 512,
+            "sampling": {"temperature": 1.0, "max_tokens": 12},
+            "env": {"name": "reverse_text", "args": {"num_tasks": 64}},
+            "weight_check": {"max_abs_diff": 1e-3},
+        },
+        "trainer": {"optim": {"lr": 3e-3, "max_grad_norm": 10.0}, "num_threads": 1},
+        "launch": {"health_timeout_s": 300, "shutdown_grace_s": 5},
+    }
+    for name, values in sections.items():
+        config.setdefault(name, {}).update(values)
+    return config
+
+
+def write_config(path: Path, config: dict) -> Path:
+    path.write_text(tomli_w.dumps(config))
+    return path

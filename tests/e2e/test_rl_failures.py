@@ -1,0 +1,71 @@
+"""Killing any one child makes `slipstream rl` exit non-zero within 30 s, naming that child, leaving nothing."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.helpers import processes_with_marker, tiny_rl_config, write_config
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+# how each direct child of the launcher is recognised in its command line
+CHILD_SIGNATURE = {
+    "inference": "vllm.entrypoints.openai.api_server",
+    "trainer": "config/trainer.toml",
+    "orchestrator": "config/orchestrator.toml",
+}
+
+
+def _children(pid: int) -> dict[int, str]:
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                out[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return out
+
+
+@pytest.mark.parametrize("victim", ["inference", "trainer", "orchestrator"])
+def test_killing_a_child_stops_the_run_and_names_it(victim, tiny_qwen3_dir, tmp_path, run_env):
+    marker, env = run_env
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "rl.toml", tiny_rl_config(tiny_qwen3_dir, out, max_steps=200))
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "slipstream", "rl", "-c", str(cfg)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 400
+        while not (out / "metrics.jsonl").exists():  # all three children are up and a step has run
+            assert launcher.poll() is None, launcher.communicate()
+            assert time.monotonic() < deadline, "the run never reached its first step"
+            time.sleep(0.5)
+        pids = [p for p, cmd in _children(launcher.pid).items() if CHILD_SIGNATURE[victim] in cmd]
+        assert len(pids) == 1, _children(launcher.pid)
+        os.kill(pids[0], signal.SIGKILL)
+        killed_at = time.monotonic()
+        stdout, stderr = launcher.communicate(timeout=60)
+        assert time.monotonic() - killed_at < 30
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode != 0
+    assert f"{victim} was killed by signal 9" in stderr, stderr
+    deadline = time.monotonic() + 10
+    while processes_with_marker(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_with_marker(marker) == []

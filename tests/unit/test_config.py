@@ -1,0 +1,131 @@
+"""Config parsing: TOML files, dotted overrides, shared RL fields, and one-line errors naming the key."""
+
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from slipstream.config import ConfigError, RLConfig, TrainerConfig
+from slipstream.config.loader import load_config, parse_cli
+
+BASE = """
+max_steps = 5
+output_dir = "out/run"
+[model]
+name = "some-model"
+[trainer.optim]
+lr = 2e-6
+[orchestrator]
+batch_size = 8
+group_size = 4
+"""
+
+
+@pytest.fixture
+def base_toml(tmp_path):
+    path = tmp_path / "rl.toml"
+    path.write_text(BASE)
+    return path
+
+
+def test_parse_cli_values_and_flags():
+    files, overrides = parse_cli(
+        ["-c", "a.toml", "--config", "b.toml", "--a.b", "3", "--a.c=x y", "--flag", "--n", "[1, 2]"]
+    )
+    assert [str(f) for f in files] == ["a.toml", "b.toml"]
+    assert overrides == {"a": {"b": 3, "c": "x y"}, "flag": True, "n": [1, 2]}
+
+
+def test_rl_shared_fields_are_copied_into_sections(base_toml):
+    cfg = load_config(RLConfig, ["-c", str(base_toml)])
+    for section in (cfg.inference, cfg.orchestrator, cfg.trainer):
+        assert section.model.name == "some-model"
+        assert section.seed == 0
+    assert cfg.trainer.max_steps == cfg.orchestrator.max_steps == 5
+    assert str(cfg.trainer.output_dir) == "out/run"
+    assert cfg.trainer.optim.lr == 2e-6
+    assert cfg.orchestrator.inference_url == "http://127.0.0.1:8000"
+
+
+def test_later_files_and_overrides_win(base_toml, tmp_path):
+    second = tmp_path / "b.toml"
+    second.write_text("[trainer.optim]\nlr = 5e-6\n[inference]\nport = 8123\n")
+    cfg = load_config(
+        RLConfig, ["-c", str(base_toml), "-c", str(second), "--trainer.optim.lr", "1e-5", "--max-steps", "7"]
+    )
+    assert cfg.trainer.optim.lr == 1e-5
+    assert cfg.max_steps == cfg.trainer.max_steps == 7
+    assert cfg.orchestrator.inference_url == "http://127.0.0.1:8123"
+
+
+def test_unknown_key_suggests_the_right_one(base_toml):
+    with pytest.raises(ConfigError, match=r"unknown key trainer\.optim\.lrr; did you mean trainer\.optim\.lr\?"):
+        load_config(RLConfig, ["-c", str(base_toml), "--trainer.optim.lrr", "1e-5"])
+
+
+def test_wrong_type_names_key_and_value(base_toml):
+    with pytest.raises(ConfigError, match=r"trainer\.optim\.lr: .*number.*'fast'"):
+        load_config(RLConfig, ["-c", str(base_toml), "--trainer.optim.lr", "fast"])
+
+
+def test_missing_required_field():
+    with pytest.raises(ConfigError, match=r"max_steps is required"):
+        load_config(RLConfig, ["--model.name", "m"])
+
+
+def test_cross_field_rule_says_what_to_change(base_toml):
+    with pytest.raises(ConfigError, match=r"batch_size \(10\) must be a multiple of group_size \(4\)"):
+        load_config(RLConfig, ["-c", str(base_toml), "--orchestrator.batch_size", "10"])
+
+
+def test_section_conflicting_with_shared_field(base_toml):
+    with pytest.raises(ConfigError, match=r"trainer\.max_steps differs from the top-level max_steps"):
+        load_config(RLConfig, ["-c", str(base_toml), "--trainer.max_steps", "3"])
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("max_steps = = 3")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(RLConfig, ["-c", str(bad)])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(RLConfig, ["-c", str(tmp_path / "nope.toml")])
+
+
+def test_round_trip_through_toml(base_toml, tmp_path):
+    cfg = load_config(RLConfig, ["-c", str(base_toml), "--inference.extra_args", '["--foo", "1"]'])
+    out = tmp_path / "resolved.toml"
+    cfg.write_toml(out)
+    again = RLConfig.model_validate(tomllib.loads(out.read_text()))
+    assert again == cfg
+    cfg.trainer.write_toml(tmp_path / "trainer.toml")
+    trainer = load_config(TrainerConfig, ["-c", str(tmp_path / "trainer.toml")])
+    assert trainer == cfg.trainer
+
+
+def test_cli_prints_one_line_errors_without_traceback(base_toml):
+    proc = subprocess.run(
+        [sys.executable, "-m", "slipstream", "rl", "-c", str(base_toml), "--orchestrator.group_sise", "2"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: unknown key orchestrator.group_sise; did you mean orchestrator.group_size?")
+    assert "Traceback" not in proc.stderr
+
+
+def test_help_is_fast_and_lists_options():
+    proc = subprocess.run([sys.executable, "-m", "slipstream", "trainer", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    assert "--optim.lr" in proc.stdout and "Learning rate." in proc.stdout
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, slipstream.cli as c; c.main(['rl','--help']); print('torch' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.stdout.strip().endswith("False")

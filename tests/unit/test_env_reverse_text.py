@@ -1,0 +1,61 @@
+"""reverse_text environment: rewards on known answers, deterministic tasks, registry errors."""
+
+import asyncio
+
+import pytest
+
+from slipstream.envs.base import Environment, score
+from slipstream.envs.registry import build_env, known_envs
+from slipstream.envs.reverse_text import ReverseTextEnv, parse_answer
+
+
+def test_exact_reversal_scores_one():
+    env = ReverseTextEnv(num_tasks=5, seed=1)
+    task = env.tasks("train")[0]
+    text = task.prompt[-1]["content"]
+    assert env.reward(task, f"<reversed_text>{text[::-1]}</reversed_text>") == 1.0
+    assert env.reward(task, f"  {text[::-1]}\n") == 1.0
+    assert env.reward(task, f"<reversed_text>\n{text[::-1]}") == 1.0  # truncated closing tag
+
+
+def test_garbage_scores_low():
+    env = ReverseTextEnv(num_tasks=5, seed=1)
+    task = env.tasks("train")[0]
+    assert env.reward(task, "zzzzzzzzzzzzzzzzzzzzzzzzzzzzzz") < 0.2
+    assert env.reward(task, "") == 0.0
+    # Unreversed text is only partially similar.
+    assert env.reward(task, task.prompt[-1]["content"]) < 1.0
+
+
+def test_tasks_are_deterministic_and_in_range():
+    a = ReverseTextEnv(num_tasks=50, min_words=3, max_words=8, seed=7)
+    b = ReverseTextEnv(num_tasks=50, min_words=3, max_words=8, seed=7)
+    c = ReverseTextEnv(num_tasks=50, min_words=3, max_words=8, seed=8)
+    assert [t.prompt for t in a.tasks("train")] == [t.prompt for t in b.tasks("train")]
+    assert [t.answer for t in a.tasks("train")] != [t.answer for t in c.tasks("train")]
+    assert [t.answer for t in a.tasks("train")] != [t.answer for t in a.tasks("eval")][:50]
+    for task in a.tasks("train"):
+        text = task.prompt[-1]["content"]
+        assert 3 <= len(text.split()) <= 8
+        assert task.answer == text[::-1]
+        assert [m["role"] for m in task.prompt] == ["system", "user"]
+    assert len({t.id for t in a.tasks("train")}) == 50
+
+
+def test_protocol_registry_and_async_score():
+    env = build_env("reverse_text", num_tasks=3)
+    assert isinstance(env, Environment)
+    assert "reverse_text" in known_envs()
+    task = env.tasks("train")[1]
+    assert asyncio.run(score(env, task, task.answer)) == 1.0
+    with pytest.raises(ValueError, match="known: .*reverse_text"):
+        build_env("nope")
+    with pytest.raises(ValueError, match="orchestrator.env.args"):
+        build_env("reverse_text", bogus=1)
+    with pytest.raises(ValueError, match="splits"):
+        env.tasks("test")
+
+
+def test_parse_answer():
+    assert parse_answer("blah <reversed_text> cba </reversed_text> tail") == "cba"
+    assert parse_answer(" cba ") == "cba"

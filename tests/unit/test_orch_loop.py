@@ -1,0 +1,269 @@
+"""run_orchestrator against a fake OpenAI-compatible vLLM server and a fake trainer publishing weights.
+
+Checks batch files, policy versions per batch (async lag), the weight-load call sequence and weight checks.
+"""
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from slipstream.config.orchestrator import OrchestratorConfig
+from slipstream.orchestrator.loop import run_orchestrator
+from slipstream.orchestrator.weights import WEIGHT_CHECKS_FILE, WeightSyncError
+from slipstream.transport.rollouts import batch_path, read_batch
+from slipstream.transport.weights import PROBE, READY, weights_dir
+from slipstream.utils.fs import commit_dir
+
+MODEL = "fake-model"
+PROBE_TOKENS = [5, 17, 42, 99, 3, 250]
+
+
+def fake_logprob(version: int, token: int) -> float:
+    """Log-prob the fake policy of `version` gives `token`: changes with the version, like real weights."""
+    return -((token * 7 + version * 13) % 97) / 50.0 - 0.01
+
+
+class FakeVLLM:
+    """Minimal vLLM stand-in: chat with token ids/logprobs, prompt scoring, and the dev-mode weight endpoints."""
+
+    def __init__(self, ignore_loads: bool = False) -> None:
+        self.version = 0
+        self.paused = False
+        self.ignore_loads = ignore_loads
+        self.calls: list[str] = []
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/pause", self.pause, methods=["POST"]),
+            Route("/resume", self.resume, methods=["POST"]),
+            Route("/reset_prefix_cache", self.reset, methods=["POST"]),
+            Route("/collective_rpc", self.rpc, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+        ]
+        self.app = Starlette(routes=routes)
+
+    async def health(self, request: Request) -> JSONResponse:
+        return JSONResponse({})
+
+    async def pause(self, request: Request) -> JSONResponse:
+        self.calls.append(f"pause:{request.query_params.get('mode')}")
+        self.paused = True
+        return JSONResponse({"status": "paused"})
+
+    async def resume(self, request: Request) -> JSONResponse:
+        self.calls.append("resume")
+        self.paused = False
+        return JSONResponse({"status": "resumed"})
+
+    async def reset(self, request: Request) -> JSONResponse:
+        self.calls.append("reset_prefix_cache")
+        return JSONResponse({"success": True})
+
+    async def rpc(self, request: Request) -> JSONResponse:
+        body = await request.json()
+        path = Path(body["args"][0])
+        assert body["method"] == "slipstream_load_weights" and path.is_absolute() and (path / READY).exists()
+        assert self.paused, "weights must be loaded while paused"
+        self.calls.append(f"load:{path.name}")
+        if not self.ignore_loads:
+            self.version = int(path.name.removeprefix("step_"))
+        return JSONResponse({"results": [True]})
+
+    async def chat(self, request: Request) -> JSONResponse:
+        body = await request.json()
+        fields = (body["model"], body["logprobs"], body["return_token_ids"], body["top_logprobs"])
+        if fields != (MODEL, True, True, 0) or "max_completion_tokens" not in body:
+            return JSONResponse({"error": f"bad request {body}"}, status_code=400)
+        self.calls.append(f"chat:{body['cache_salt']}")
+        text = body["messages"][-1]["content"]
+        prompt_ids = list((body["messages"][0]["content"] + text).encode())
+        answers = [f"<reversed_text>{text[::-1]}</reversed_text>", text, "no idea"]
+        choices = []
+        for i in range(body["n"]):
+            answer = answers[i % len(answers)]
+            ids = list(answer.encode())[: body["max_completion_tokens"]]
+            content = [{"token": chr(t), "logprob": fake_logprob(self.version, t), "top_logprobs": []} for t in ids]
+            message = {"role": "assistant", "content": answer}
+            choice = {"index": i, "message": message, "logprobs": {"content": content}, "finish_reason": "stop"}
+            choices.append({**choice, "token_ids": ids})
+        return JSONResponse({"model": MODEL, "choices": choices, "prompt_token_ids": prompt_ids})
+
+    async def completions(self, request: Request) -> JSONResponse:
+        body = await request.json()
+        assert body["prompt_logprobs"] == 0 and body["temperature"] == 1.0 and body["max_tokens"] == 1
+        self.calls.append("score")
+        ids = body["prompt"]
+        entries = [None] + [{str(t): {"logprob": fake_logprob(self.version, t), "rank": 1}} for t in ids[1:]]
+        return JSONResponse({"choices": [{"index": 0, "text": "x", "prompt_logprobs": entries}]})
+
+
+class ServerThread:
+    """Runs an ASGI app with uvicorn on a free loopback port in a daemon thread."""
+
+    def __init__(self, app) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "fake vLLM server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+def publish_weights(output_dir: Path, step: int) -> None:
+    """What the trainer does after step `step`: probe + READY, committed atomically."""
+    tmp = output_dir / "weights" / f".tmp_step_{step}"
+    tmp.mkdir(parents=True)
+    logprobs = [fake_logprob(step, t) for t in PROBE_TOKENS[1:]]
+    (tmp / PROBE).write_text(json.dumps({"token_ids": PROBE_TOKENS, "logprobs": logprobs}))
+    (tmp / READY).write_text("")
+    commit_dir(tmp, weights_dir(output_dir, step))
+
+
+def fake_trainer(output_dir: Path, max_steps: int, publish_after_batch: int, stop: threading.Event) -> None:
+    """Publish weights/step_n once rollouts/step_{n + publish_after_batch} exists (or the last batch does)."""
+    for n in range(1, max_steps + 1):
+        wait_for = min(n + publish_after_batch, max_steps)
+        while not batch_path(output_dir, wait_for, 0).exists():
+            if stop.wait(0.01):
+                return
+        publish_weights(output_dir, n)
+
+
+def make_config(tmp_path: Path, url: str, **overrides) -> OrchestratorConfig:
+    fields = dict(
+        model={"name": MODEL},
+        output_dir=tmp_path,
+        max_steps=3,
+        inference_url=url,
+        batch_size=6,
+        group_size=3,
+        num_trainer_ranks=2,
+        micro_batch_tokens=512,
+        sampling={"temperature": 0.9, "max_tokens": 64},
+        env={"name": "reverse_text", "args": {"num_tasks": 5}},
+        request_timeout_s=10,
+        weights_timeout_s=20,
+        health_timeout_s=10,
+    )
+    return OrchestratorConfig(**{**fields, **overrides})
+
+
+def run_with_trainer(config: OrchestratorConfig, server: FakeVLLM, publish_after_batch: int) -> None:
+    stop = threading.Event()
+    trainer = threading.Thread(
+        target=fake_trainer, args=(config.output_dir, config.max_steps, publish_after_batch, stop), daemon=True
+    )
+    with ServerThread(server.app) as srv:
+        config.inference_url = srv.url
+        trainer.start()
+        try:
+            run_orchestrator(config)
+        finally:
+            stop.set()
+            trainer.join(timeout=10)
+
+
+def step_metrics(output_dir: Path, steps: int) -> list[dict]:
+    return [read_batch(batch_path(output_dir, n, 0)).metrics for n in range(1, steps + 1)]
+
+
+@pytest.mark.parametrize(
+    ("async_level", "publish_after", "versions", "lags", "loads"),
+    [
+        (1, 1, [0, 0, 1], [0, 1, 1], ["step_1", "step_3"]),  # trainer step n overlaps generation of batch n+1
+        (0, 0, [0, 1, 2], [0, 0, 0], ["step_1", "step_2", "step_3"]),  # synchronous
+    ],
+)
+def test_loop_versions_and_weight_loads(tmp_path, async_level, publish_after, versions, lags, loads):
+    server = FakeVLLM()
+    config = make_config(tmp_path, "", max_async_level=async_level)
+    run_with_trainer(config, server, publish_after)
+
+    for n in range(1, 4):
+        batches = [read_batch(batch_path(tmp_path, n, r)) for r in range(2)]
+        assert all(b.step == n and b.micro_batches for b in batches)
+        assert {b.num_loss_tokens for b in batches} == {
+            sum(sum(mb.loss_mask) for b in batches for mb in b.micro_batches)
+        }
+    metrics = step_metrics(tmp_path, 3)
+    assert [m["policy/version"] for m in metrics] == versions
+    assert [m["policy/lag_max"] for m in metrics] == lags
+    assert all(0.0 < m["reward/mean"] < 1.0 and m["reward/max"] == 1.0 for m in metrics)
+    assert all(m["batch/zero_adv_groups"] == 0 for m in metrics)
+
+    # Each load: pause(keep) -> load -> reset cache -> resume -> verify, between the chats of two versions.
+    expected: list[str] = []
+    for i, v in enumerate(versions):
+        if i and v != versions[i - 1]:
+            expected += ["pause:keep", f"load:step_{v}", "reset_prefix_cache", "resume", "score"]
+        expected += [f"chat:policy-{v}"] * 2
+    # after the last batch the run ends serving (and having verified) the final policy
+    expected += ["pause:keep", "load:step_3", "reset_prefix_cache", "resume", "score"]
+    assert server.calls == expected
+    assert [c for c in server.calls if c.startswith("load:")] == [f"load:{s}" for s in loads]
+
+    checks = [json.loads(line) for line in (tmp_path / WEIGHT_CHECKS_FILE).read_text().splitlines()]
+    assert [c["step"] for c in checks] == [int(s.removeprefix("step_")) for s in loads]
+    assert all(c["passed"] and c["max_abs_diff"] < 1e-9 and c["num_tokens"] == len(PROBE_TOKENS) - 1 for c in checks)
+    loaded_steps = [i for i in range(1, 3) if versions[i] != versions[i - 1]]
+    assert all("weight_sync/max_abs_diff" in metrics[i] for i in loaded_steps)
+    assert "weight_sync/max_abs_diff" not in metrics[0]
+
+
+def test_frozen_policy_stops_the_run(tmp_path):
+    server = FakeVLLM(ignore_loads=True)
+    config = make_config(tmp_path, "", max_async_level=0)
+    with pytest.raises(WeightSyncError, match="did not take effect") as info:
+        run_with_trainer(config, server, 0)
+    assert "max_abs_diff" in str(info.value)
+    check = json.loads((tmp_path / WEIGHT_CHECKS_FILE).read_text())
+    assert check["step"] == 1 and not check["passed"] and check["max_abs_diff"] > 1e-3
+    assert not batch_path(tmp_path, 2, 0).exists()
+
+
+def test_frozen_policy_warns_without_stop(tmp_path, capsys):
+    server = FakeVLLM(ignore_loads=True)
+    config = make_config(tmp_path, "", max_async_level=0, weight_check={"stop_on_failure": False})
+    run_with_trainer(config, server, 0)
+    assert "did not take effect" in capsys.readouterr().out
+    assert step_metrics(tmp_path, 3)[1]["weight_sync/max_abs_diff"] > 1e-3
+
+
+def test_health_timeout_names_the_server(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"  # bound but not listening: connection refused
+        config = make_config(tmp_path, url, health_timeout_s=0.3)
+        with pytest.raises(TimeoutError, match="/health"):
+            run_orchestrator(config)
+
+
+def test_batch_files_decode_as_wire_type(tmp_path):
+    server = FakeVLLM()
+    config = make_config(tmp_path, "", max_steps=1, num_trainer_ranks=1)
+    run_with_trainer(config, server, 0)
+    raw = batch_path(tmp_path, 1, 0).read_bytes()
+    decoded = msgspec.msgpack.decode(raw)
+    assert decoded["step"] == 1 and decoded["rank"] == 0 and decoded["metrics"]["reward/max"] == 1.0

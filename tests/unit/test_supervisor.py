@@ -1,0 +1,99 @@
+"""The supervisor names a failed child, and stopping leaves no process behind (grandchildren included)."""
+
+import os
+import sys
+import time
+
+import pytest
+
+from slipstream.launch.plan import ProcessSpec
+from slipstream.launch.supervisor import ChildFailed, Supervisor, tail
+
+
+def _spec(tmp_path, name, code, must_run_to_end=True):
+    return ProcessSpec(name, [sys.executable, "-c", code], tmp_path / f"{name}.log", must_run_to_end=must_run_to_end)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_failed_child_is_named_with_its_log(tmp_path):
+    sup = Supervisor(grace_s=2)
+    sup.start(_spec(tmp_path, "server", "import time; time.sleep(60)"))
+    sup.start(_spec(tmp_path, "worker", "print('boom happened'); raise SystemExit(3)", must_run_to_end=False))
+    try:
+        with pytest.raises(ChildFailed, match=r"worker exited with code 3") as info:
+            for _ in range(100):
+                sup.check()
+                time.sleep(0.05)
+        assert "boom happened" in tail(info.value.log_path)
+    finally:
+        sup.stop_all()
+    assert all(p.poll() is not None for p in sup.procs.values())
+
+
+def test_clean_exit_of_a_finite_child_is_not_a_failure(tmp_path):
+    sup = Supervisor(grace_s=2)
+    sup.start(_spec(tmp_path, "trainer", "pass", must_run_to_end=False))
+    sup.procs["trainer"].wait()
+    assert sup.check() == ["trainer"]
+    sup.stop_all()
+
+
+def test_stop_all_kills_grandchildren(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    code = (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(120)\n"
+    )
+    sup = Supervisor(grace_s=1)
+    sup.start(_spec(tmp_path, "parent", code))
+    for _ in range(200):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    grandchild = int(pid_file.read_text())
+    assert _alive(grandchild)
+    sup.stop_all()
+    for _ in range(100):
+        if not _alive(grandchild):
+            break
+        time.sleep(0.05)
+    assert not _alive(grandchild)
+
+
+def test_stop_all_kills_descendants_that_left_the_group(tmp_path):
+    """torchrun starts workers in their own sessions: killing the child's group alone would orphan them."""
+    pid_file = tmp_path / "worker.pid"
+    code = (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(120)\n"
+    )
+    sup = Supervisor(grace_s=1)
+    sup.start(_spec(tmp_path, "agent", code))
+    for _ in range(200):
+        sup.check()
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    worker = int(pid_file.read_text())
+    sup.check()  # the supervisor sees the worker while the agent is alive
+    os.kill(sup.procs["agent"].pid, 9)  # the agent dies first; its worker is reparented, not killed
+    sup.procs["agent"].wait()
+    assert _alive(worker)
+    sup.stop_all()
+    for _ in range(100):
+        if not _alive(worker):
+            break
+        time.sleep(0.05)
+    assert not _alive(worker)
