@@ -22,10 +22,12 @@ def _read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_three_steps_with_verified_weight_updates(tiny_qwen3_dir, tmp_path, run_env):
+# llama ties lm_head to embed_tokens (as SmolLM2 does), which vLLM's in-place reload must handle
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_three_steps_with_verified_weight_updates(family, tiny_model_factory, tmp_path, run_env):
     marker, env = run_env
     out = tmp_path / "run"
-    cfg = write_config(tmp_path / "rl.toml", tiny_rl_config(tiny_qwen3_dir, out, max_steps=3))
+    cfg = write_config(tmp_path / "rl.toml", tiny_rl_config(tiny_model_factory(family), out, max_steps=3))
     proc = subprocess.run(
         [sys.executable, "-m", "slipstream", "rl", "-c", str(cfg)],
         env=env,

@@ -37,5 +37,41 @@ class WeightLoaderExtension:
                 names.append(name)
                 yield name, tensor
 
+        model = self.get_model()  # type: ignore[attr-defined]
+        tied = shared_parameter_groups(model)
         self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)  # type: ignore[attr-defined]
-        return {"path": str(folder), "num_tensors": len(names), "seconds": round(time.perf_counter() - start, 3)}
+        refreshed = refresh_tied_modules(model, tied, set(names))
+        return {
+            "path": str(folder),
+            "num_tensors": len(names),
+            "refreshed": refreshed,
+            "seconds": round(time.perf_counter() - start, 3),
+        }
+
+
+def shared_parameter_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Names of parameters that share storage (tied embeddings), grouped."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(param.data_ptr(), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def refresh_tied_modules(model: torch.nn.Module, groups: list[list[str]], loaded: set[str]) -> list[str]:
+    """A tied parameter (lm_head = embed_tokens) arrives once in the checkpoint, so vLLM's layer-wise reload
+    never re-processes the module that uses the other name; on the CPU build that module keeps a packed copy
+    of the OLD weight for its GEMM. Re-run its post-load processing. Returns the refreshed module names."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    refreshed = []
+    for group in groups:
+        if len({params[n].data_ptr() for n in group}) != 1:
+            raise RuntimeError(f"tied parameters {group} no longer share storage after the weight reload")
+        for name in group:
+            if name in loaded:
+                continue
+            module = model.get_submodule(name.rpartition(".")[0])
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
+                refreshed.append(name.rpartition(".")[0])
+    return refreshed

@@ -1,0 +1,20 @@
+"""Simulated vLLM server without a model, for tests and benchmarks: capacity, heavy-tailed latency, pause/resume
+and policy versions per token (`choices[i].token_versions`, a simulator-only field). See app.py for the endpoints.
+"""
+
+from slipstream.inference.sim.app import SimServer
+from slipstream.inference.sim.config import LatencyModel, SimConfig, latency_percentiles
+from slipstream.inference.sim.engine import RequestRecord, SimEngine
+from slipstream.inference.sim.policy import sim_logprob
+from slipstream.inference.sim.serve import serve_in_thread
+
+__all__ = [
+    "LatencyModel",
+    "RequestRecord",
+    "SimConfig",
+    "SimEngine",
+    "SimServer",
+    "latency_percentiles",
+    "serve_in_thread",
+    "sim_logprob",
+]

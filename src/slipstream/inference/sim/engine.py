@@ -1,0 +1,225 @@
+"""Event-driven decode engine of the simulator: capacity slots, pause modes, policy version of every token.
+
+Sequences do not wake per token: tokens are due at fixed points of a sequence's unpaused time, and every state
+change (pause, abort, weight load) first emits the tokens already due, so each token records the policy version
+that was served when it was generated.
+"""
+
+import asyncio
+import math
+import random
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from slipstream.inference.sim.config import LatencyModel, SimConfig
+from slipstream.inference.sim.policy import sim_logprob
+
+PauseMode = Literal["abort", "wait", "keep"]
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+class SimRequestError(ValueError):
+    """The caller did something the real server would refuse (HTTP 4xx)."""
+
+
+class SimClosedError(RuntimeError):
+    """The simulator is shutting down (HTTP 503)."""
+
+
+@dataclass
+class RequestRecord:
+    """What the simulator saw of one generation request (for tests and benchmarks)."""
+
+    endpoint: str
+    cache_salt: str | None
+    n: int
+    max_tokens: int
+    version_at_arrival: int
+    arrival_s: float
+
+
+@dataclass(eq=False)  # identity semantics: sequences live in a set
+class Sequence:
+    """One choice being decoded: its planned tokens are emitted one by one as unpaused time passes."""
+
+    planned_ids: list[int]
+    planned_finish: str
+    interval_s: float
+    """Unpaused seconds per token."""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    prefill_version: int | None = None
+    finish_reason: str | None = None
+    aborted: bool = False
+    active_s: float = 0.0
+    resumed_at: float | None = None
+    """Loop time since which the sequence accrues decode time; None while waiting, frozen or done."""
+
+    @property
+    def done(self) -> bool:
+        return len(self.token_ids) == len(self.planned_ids)
+
+    def remaining_s(self) -> float:
+        return max(0.0, len(self.planned_ids) * self.interval_s - self.active_s)
+
+    def num_due(self) -> int:
+        if self.interval_s <= 0:
+            return len(self.planned_ids)
+        return min(len(self.planned_ids), math.floor(self.active_s / self.interval_s + 1e-9))
+
+
+class SimEngine:
+    """State of the simulated server; all methods run on the server's event loop."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.version = config.initial_version
+        self.paused = False
+        """New requests are held until /resume."""
+        self.frozen = False
+        """Pause mode "keep": in-flight sequences make no progress."""
+        self.closed = False
+        self.records: list[RequestRecord] = []
+        self.loads: list[str] = []
+        self.num_held = self.num_waiting = self.num_running = 0
+        self.prompt_tokens_total = self.generation_tokens_total = 0
+        self._latency = LatencyModel.from_config(config)
+        self._rng = random.Random(config.seed)
+        self._slots = asyncio.Semaphore(config.capacity)  # binds to the loop of its first use: one run per engine
+        self._in_flight: set[Sequence] = set()
+        self._changed: asyncio.Future | None = None
+
+    def record(self, endpoint: str, cache_salt: str | None, n: int, max_tokens: int) -> None:
+        self.records.append(RequestRecord(endpoint, cache_salt, n, max_tokens, self.version, time.time()))
+
+    async def generate(self, plans: list[tuple[list[int], str]], num_prompt_tokens: int) -> list[Sequence]:
+        """Decode one request's choices (held while paused, then each in its own capacity slot)."""
+        seqs = []
+        for token_ids, finish in plans:
+            interval = self.config.token_latency_s + self._latency.sample(self._rng) / len(token_ids)
+            seqs.append(Sequence(planned_ids=token_ids, planned_finish=finish, interval_s=interval))
+        self.num_held += len(seqs)
+        try:
+            while self.paused and not self.closed:
+                await self._state_change()
+        finally:
+            self.num_held -= len(seqs)
+        if self.closed:
+            raise SimClosedError("the simulated server is shutting down")
+        self.prompt_tokens_total += num_prompt_tokens
+        await asyncio.gather(*(self._run(seq) for seq in seqs))
+        return seqs
+
+    async def _run(self, seq: Sequence) -> None:
+        self._in_flight.add(seq)
+        self.num_waiting += 1
+        waiting = True
+        try:
+            async with self._slots:
+                self.num_waiting, waiting = self.num_waiting - 1, False
+                self.num_running += 1
+                try:
+                    await self._decode(seq)
+                finally:
+                    self.num_running -= 1
+        finally:
+            if waiting:  # cancelled before it got a slot
+                self.num_waiting -= 1
+            self._in_flight.discard(seq)
+            self._notify()
+
+    async def _decode(self, seq: Sequence) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if self.frozen:
+                seq.resumed_at = None  # the pause already emitted what was due
+            else:
+                if seq.resumed_at is None:
+                    seq.resumed_at = loop.time()
+                    if seq.prefill_version is None:
+                        seq.prefill_version = self.version
+                self._catch_up(seq, loop.time())
+            if seq.aborted or seq.done:
+                break
+            timeout = None if self.frozen else seq.remaining_s()
+            await asyncio.wait([self._state_future()], timeout=timeout)
+        seq.resumed_at = None
+        seq.finish_reason = "abort" if seq.aborted and not seq.done else seq.planned_finish
+
+    def _catch_up(self, seq: Sequence, now: float) -> None:
+        """Accrue decode time up to `now` and emit the tokens due, at the version served now."""
+        if seq.resumed_at is None or seq.aborted:
+            return
+        seq.active_s += now - seq.resumed_at
+        seq.resumed_at = now
+        for token_id in seq.planned_ids[len(seq.token_ids) : seq.num_due()]:
+            seq.token_ids.append(token_id)
+            seq.logprobs.append(sim_logprob(self.version, token_id))
+            seq.versions.append(self.version)
+            self.generation_tokens_total += 1
+
+    def _catch_up_all(self) -> None:
+        now = asyncio.get_running_loop().time()
+        for seq in self._in_flight:
+            self._catch_up(seq, now)
+
+    async def pause(self, mode: PauseMode) -> None:
+        """keep: freeze in-flight sequences; abort: end them now (finish_reason "abort"); wait: let them finish
+        and return once none is left. In every mode new requests are held until resume()."""
+        if mode not in ("abort", "wait", "keep"):
+            raise SimRequestError(f"unknown pause mode {mode!r}; use abort, wait or keep")
+        self._catch_up_all()
+        self.paused = True
+        self.frozen = mode == "keep"
+        if mode == "abort":
+            for seq in self._in_flight:
+                seq.aborted = True
+        self._notify()
+        if mode == "wait":
+            while self._in_flight:
+                await self._state_change()
+
+    def resume(self) -> None:
+        self.paused = self.frozen = False
+        self._notify()
+
+    def load_weights(self, path: str) -> dict:
+        """Serve policy version N from now on, N taken from the folder name `.../step_N`."""
+        folder = Path(path)
+        match = _STEP_RE.match(folder.name)
+        if match is None:
+            raise SimRequestError(f"weights folder {path!r} is not named step_N, so it has no policy version")
+        if self.config.require_pause_for_load and not self.paused:
+            raise SimRequestError(f"load of {path} while generation is running; call POST /pause first")
+        if self.config.require_ready_marker and not (folder / "READY").exists():
+            raise SimRequestError(f"{folder} is not a complete published weights folder (no READY marker)")
+        self._catch_up_all()
+        self.version = int(match.group(1))
+        self.loads.append(str(folder))
+        self._notify()
+        return {"path": str(folder), "num_tensors": 0, "seconds": 0.0}
+
+    def close(self) -> None:
+        """Abort everything in flight and refuse held requests (server shutdown)."""
+        self._catch_up_all()
+        self.closed = True
+        for seq in self._in_flight:
+            seq.aborted = True
+        self._notify()
+
+    def _state_future(self) -> asyncio.Future:
+        if self._changed is None:
+            self._changed = asyncio.get_running_loop().create_future()
+        return self._changed
+
+    async def _state_change(self) -> None:
+        await asyncio.shield(self._state_future())
+
+    def _notify(self) -> None:
+        if self._changed is not None and not self._changed.done():
+            self._changed.set_result(None)
+        self._changed = None
