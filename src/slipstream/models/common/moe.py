@@ -1,0 +1,149 @@
+"""Token-choice mixture of experts: softmax top-k router with float32 logits, and SwiGLU experts stored as stacked
+[E, ...] tensors so that `torch._grouped_mm` (and later expert parallelism) can run all experts in one call.
+
+Legend: N = tokens (rows x tokens per row, flattened), D = hidden size, E = experts, A = active experts per token
+(top-k), F = expert hidden size, M = N * A routed (token, expert) pairs.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class TopKRouter(nn.Module):
+    """Softmax over float32 logits, top-A experts per token; optionally renormalise the A weights to sum to 1."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+
+    def forward(self, x_ND: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(probs_NE float32, expert_ids_NA, weights_NA float32)."""
+        # Router logits stay float32 even under autocast: bf16 logits flip top-k choices (train/inference mismatch).
+        with torch.autocast(x_ND.device.type, enabled=False):
+            logits_NE = F.linear(x_ND.float(), self.weight.float())
+        probs_NE = logits_NE.softmax(dim=-1)
+        weights_NA, expert_ids_NA = probs_NE.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights_NA = weights_NA / weights_NA.sum(dim=-1, keepdim=True)
+        return probs_NE, expert_ids_NA, weights_NA
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as stacked weights in nn.Linear layout: gate_proj/up_proj [E, F, D], down_proj [E, D, F].
+
+    `use_grouped_mm` runs all experts through `torch._grouped_mm` (one kernel per projection on GPU; CPU works
+    too); otherwise a loop over the experts that received tokens (the CPU reference). Both give the same result.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = False):
+        super().__init__()
+        self.num_experts, self.use_grouped_mm = num_experts, use_grouped_mm
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+
+    def forward(self, x_ND: Tensor, expert_ids_NA: Tensor, weights_NA: Tensor) -> Tensor:
+        """y_ND = sum over a token's A experts of weight * expert(x)."""
+        top_k = expert_ids_NA.shape[1]
+        # Sort the (token, expert) pairs by expert so each expert sees one contiguous slice of rows.
+        order_M = torch.argsort(expert_ids_NA.reshape(-1), stable=True)
+        token_M = order_M // top_k
+        counts_E = torch.bincount(expert_ids_NA.reshape(-1), minlength=self.num_experts)
+        x_MD = x_ND[token_M]
+        y_MD = self._grouped_mm(x_MD, counts_E) if self.use_grouped_mm else self._loop(x_MD, counts_E)
+        y_MD = y_MD * weights_NA.reshape(-1)[order_M, None].to(y_MD.dtype)
+        # Under autocast the expert matmuls return bf16 while x (the residual stream) stays float32.
+        return torch.zeros_like(x_ND).index_add_(0, token_M, y_MD.to(x_ND.dtype))
+
+    def _loop(self, x_MD: Tensor, counts_E: Tensor) -> Tensor:
+        outputs = []
+        for e, x_mD in enumerate(torch.split(x_MD, counts_E.tolist())):
+            if x_mD.shape[0] == 0:
+                continue
+            h_mF = F.silu(x_mD @ self.gate_proj[e].T) * (x_mD @ self.up_proj[e].T)
+            outputs.append(h_mF @ self.down_proj[e].T)
+        return torch.cat(outputs) if outputs else x_MD.new_zeros(x_MD.shape)
+
+    def _grouped_mm(self, x_MD: Tensor, counts_E: Tensor) -> Tensor:
+        offsets_E = counts_E.cumsum(0).to(torch.int32)
+        gate_MF = torch._grouped_mm(x_MD, self.gate_proj.transpose(-2, -1), offs=offsets_E)
+        up_MF = torch._grouped_mm(x_MD, self.up_proj.transpose(-2, -1), offs=offsets_E)
+        return torch._grouped_mm(F.silu(gate_MF) * up_MF, self.down_proj.transpose(-2, -1), offs=offsets_E)
+
+    def init_weights(self, std: float) -> None:
+        for weight in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(weight, mean=0.0, std=std)
+
+
+class MoE(nn.Module):
+    """Routed SwiGLU experts (no shared expert). After each forward, the load-balance statistics of that call are
+    kept on the module (`tokens_per_expert_E`, `router_prob_mean_E`, `aux_loss`); nothing is added to any loss."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.num_experts = num_experts
+        self.router = TopKRouter(dim, num_experts, top_k, norm_topk_prob)
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts)
+        self.num_tokens = 0
+        """N of the last forward."""
+        self.tokens_per_expert_E: Tensor | None = None
+        """Routed (token, expert) pairs per expert in the last forward (int64, no grad); sums to N * A."""
+        self.router_prob_mean_E: Tensor | None = None
+        """Mean router probability per expert over the last forward's tokens (float32, differentiable)."""
+        self.aux_loss: Tensor | None = None
+        """Switch-style load-balance loss of the last forward (differentiable): E * sum_e f_e * P_e with
+        f_e = tokens_per_expert_E / N and P_e = router_prob_mean_E; equals A when routing is perfectly balanced."""
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
+        probs_NE, expert_ids_NA, weights_NA = self.router(x_ND)
+        y_ND = self.experts(x_ND, expert_ids_NA, weights_NA.to(x_ND.dtype))
+        self._record_stats(probs_NE, expert_ids_NA)
+        return y_ND.view_as(x_BTD)
+
+    def _record_stats(self, probs_NE: Tensor, expert_ids_NA: Tensor) -> None:
+        self.num_tokens = num_tokens = probs_NE.shape[0]
+        self.tokens_per_expert_E = torch.bincount(expert_ids_NA.reshape(-1), minlength=self.num_experts).detach()
+        self.router_prob_mean_E = probs_NE.mean(dim=0)
+        fraction_E = self.tokens_per_expert_E.float() / num_tokens
+        self.aux_loss = self.num_experts * (fraction_E * self.router_prob_mean_E).sum()
+
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.router.weight, mean=0.0, std=std)
+        self.experts.init_weights(std)
+
+
+@dataclass
+class MoEStats:
+    """Load-balance statistics of the MoE layers in the last forward (L = MoE layers, in depth order)."""
+
+    num_tokens: int
+    """N: tokens routed per layer."""
+    tokens_per_expert_LE: Tensor
+    router_prob_mean_LE: Tensor
+    aux_loss_L: Tensor
+    """Per-layer Switch aux loss (differentiable); a trainer that wants it adds `coef * aux_loss_L.sum()` itself."""
+
+    def global_aux_loss(self) -> Tensor:
+        """transformers' `load_balancing_loss_func` value (`aux_loss` of `output_router_logits=True`): fractions
+        and probabilities averaged over all layers and tokens first, then E * sum_e f_e * P_e."""
+        num_experts = self.tokens_per_expert_LE.shape[1]
+        fraction_E = (self.tokens_per_expert_LE.float() / self.num_tokens).mean(dim=0)
+        return num_experts * (fraction_E * self.router_prob_mean_LE.mean(dim=0)).sum()
+
+
+def collect_moe_stats(model: nn.Module) -> MoEStats:
+    """Stack the last-forward statistics of every MoE layer of `model`."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers or layers[0].aux_loss is None:
+        raise RuntimeError("no MoE statistics yet: run a forward pass first")
+    return MoEStats(
+        num_tokens=layers[0].num_tokens,
+        tokens_per_expert_LE=torch.stack([m.tokens_per_expert_E for m in layers]),
+        router_prob_mean_LE=torch.stack([m.router_prob_mean_E for m in layers]),
+        aux_loss_L=torch.stack([m.aux_loss for m in layers]),
+    )

@@ -1,0 +1,101 @@
+"""Rotary position embeddings (default, linear and llama3 scaling), matching transformers' numerics.
+
+Legend: B = rows, T = tokens per row, H = heads, K = head dim.
+"""
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeArgs:
+    """RoPE parameters, as in the HF config's `rope_parameters` (5.x) or `rope_theta` + `rope_scaling` (4.x)."""
+
+    theta: float
+    """Base wavelength (`rope_theta`)."""
+    rope_type: str = "default"
+    """One of SUPPORTED_ROPE_TYPES."""
+    factor: float = 1.0
+    """Scaling factor for `linear` and `llama3`."""
+    low_freq_factor: float = 1.0
+    """llama3 only."""
+    high_freq_factor: float = 4.0
+    """llama3 only."""
+    original_max_position_embeddings: int = 8192
+    """llama3 only: context length of pre-training."""
+
+
+def rope_args_from_hf(cfg) -> RopeArgs:
+    """Read RoPE settings from a transformers config (5.x `rope_parameters`, or 4.x `rope_theta`/`rope_scaling`)."""
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    if not params:
+        params = {"rope_theta": cfg.rope_theta, **(getattr(cfg, "rope_scaling", None) or {})}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_type '{rope_type}' is not supported by the custom models ({SUPPORTED_ROPE_TYPES}); use impl='hf'"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported by the custom models; use impl='hf'")
+    kwargs = {"theta": float(params["rope_theta"]), "rope_type": rope_type}
+    if rope_type in ("linear", "llama3"):
+        kwargs["factor"] = float(params["factor"])
+    if rope_type == "llama3":
+        kwargs["low_freq_factor"] = float(params["low_freq_factor"])
+        kwargs["high_freq_factor"] = float(params["high_freq_factor"])
+        original = params.get("original_max_position_embeddings") or cfg.max_position_embeddings
+        kwargs["original_max_position_embeddings"] = int(original)
+    return RopeArgs(**kwargs)
+
+
+@lru_cache(maxsize=16)
+def rope_inv_freq(rope: RopeArgs, head_dim: int) -> Tensor:
+    """Inverse frequencies [K/2], float32, computed on CPU exactly as transformers does (then moved by the caller).
+
+    Computed on the fly (no module buffer) so models built on the meta device need no re-initialisation.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float) / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: Tensor, rope: RopeArgs) -> Tensor:
+    """Llama 3.1 frequency scaling: keep high frequencies, divide low ones by `factor`, interpolate in between."""
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(rope: RopeArgs, head_dim: int, position_ids_BT: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(cos_BTK, sin_BTK) for the given positions, computed in float32 and cast to `dtype`."""
+    inv_freq = rope_inv_freq(rope, head_dim).to(position_ids_BT.device)
+    freqs_BTk = position_ids_BT[..., None].float() * inv_freq
+    angles_BTK = torch.cat((freqs_BTk, freqs_BTk), dim=-1)
+    return angles_BTK.cos().to(dtype), angles_BTK.sin().to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x_BHTK: Tensor, cos_BTK: Tensor, sin_BTK: Tensor) -> Tensor:
+    """Rotate query or key heads (HF's half-split convention, not interleaved pairs)."""
+    cos_B1TK, sin_B1TK = cos_BTK.unsqueeze(1), sin_BTK.unsqueeze(1)
+    return x_BHTK * cos_B1TK + _rotate_half(x_BHTK) * sin_B1TK

@@ -1,0 +1,96 @@
+"""Decoder-only skeleton shared by the families: pre-norm blocks, token embedding, final norm and LM head.
+
+Legend: B = rows of a packed batch, T = tokens per row, D = hidden size, V = vocabulary, K = head dim.
+"""
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from slipstream.models.common.args import TransformerArgs
+from slipstream.models.common.attention import Attention
+from slipstream.models.common.norm import RMSNorm
+from slipstream.models.common.rope import rope_cos_sin
+
+
+def build_attention(args: TransformerArgs) -> Attention:
+    return Attention(
+        args.hidden_size,
+        args.num_heads,
+        args.num_kv_heads,
+        args.head_dim,
+        bias=args.attention_bias,
+        qk_norm=args.qk_norm,
+        norm_eps=args.rms_norm_eps,
+    )
+
+
+class TransformerBlock(nn.Module):
+    """`x + attn(attn_norm(x))`, then `x + mlp(mlp_norm(x))`; `mlp` is a dense SwiGLU or an MoE layer."""
+
+    def __init__(self, args: TransformerArgs, mlp: nn.Module):
+        super().__init__()
+        self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attn = build_attention(args)
+        self.mlp_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x_BTD: Tensor, cos_BTK: Tensor, sin_BTK: Tensor, position_ids_BT: Tensor) -> Tensor:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos_BTK, sin_BTK, position_ids_BT)
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+
+    def init_weights(self, std: float) -> None:
+        self.attn_norm.init_weights()
+        self.mlp_norm.init_weights()
+        self.attn.init_weights(std)
+        self.mlp.init_weights(std)
+
+
+class DecoderLM(nn.Module):
+    """Token embedding -> blocks -> final RMSNorm -> LM head, over packed rows (see common/attention.py).
+
+    For the trainer: `forward_hidden` gives per-token hidden states and `lm_head_weight` the [V, D] matrix, so
+    log-probs can be computed in chunks without materialising [tokens, V] logits; `forward` gives full logits.
+    With tied embeddings there is no `lm_head` module: the head is `embed_tokens.weight` (one parameter, one key).
+    """
+
+    def __init__(self, args: TransformerArgs, layers: list[nn.Module]):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, padding_idx=args.pad_token_id)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.init_weights()
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        """The [V, D] output projection (the embedding matrix when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward_hidden(self, input_ids_BT: Tensor, position_ids_BT: Tensor) -> Tensor:
+        """h_BTD: final-normed hidden states; samples of a row (position_ids restart at 0) never see each other."""
+        h_BTD = self.embed_tokens(input_ids_BT)
+        cos_BTK, sin_BTK = rope_cos_sin(self.args.rope, self.args.head_dim, position_ids_BT, h_BTD.dtype)
+        for layer in self.layers:
+            h_BTD = layer(h_BTD, cos_BTK, sin_BTK, position_ids_BT)
+        return self.norm(h_BTD)
+
+    def logits(self, h_BTD: Tensor) -> Tensor:
+        """logits_BTV (in the hidden states' dtype) from `forward_hidden`'s output, or from any slice of it."""
+        return F.linear(h_BTD, self.lm_head_weight)
+
+    def forward(self, input_ids_BT: Tensor, position_ids_BT: Tensor) -> Tensor:
+        """logits_BTV for a packed batch."""
+        return self.logits(self.forward_hidden(input_ids_BT, position_ids_BT))
+
+    def init_weights(self) -> None:
+        """Fresh random weights like transformers' init (normal(0, initializer_range), norms at 1); no-op on meta."""
+        std = self.args.initializer_range
+        nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=std)
+        if self.embed_tokens.padding_idx is not None and not self.embed_tokens.weight.is_meta:
+            self.embed_tokens.weight.data[self.embed_tokens.padding_idx].zero_()
+        for layer in self.layers:
+            layer.init_weights(std)
+        self.norm.init_weights()
+        if self.lm_head is not None:
+            nn.init.normal_(self.lm_head.weight, mean=0.0, std=std)
