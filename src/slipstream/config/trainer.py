@@ -3,7 +3,7 @@
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from slipstream.config.base import BaseConfig
 from slipstream.config.shared import ModelConfig
@@ -29,13 +29,54 @@ class OptimConfig(BaseConfig):
 
 
 class LossConfig(BaseConfig):
-    """Default RL loss: DPPO binary trust-region mask + squared log-ratio penalty (see trainer/loss.py)."""
+    """Token-level RL loss (trainer/loss.py): one policy-gradient rule (`kind`) + squared log-ratio penalty.
+
+    Every kind adds `kl_coef * log_ratio^2` per loss token and divides the sum by the step's loss-token count.
+    Fields of the kinds not selected are ignored.
+    """
+
+    kind: Literal["dppo_tv", "tis", "icepop", "geo_mask"] = "dppo_tv"
+    """Policy-gradient rule, with ratio = exp(lp - lq) of trainer (lp) vs inference (lq) log-probs, advantage A:
+    - "dppo_tv" (default): DPPO binary trust region. `-(keep * A * ratio)`; a token is masked when its probability
+      already moved past `dp_threshold` in the direction A pushes (`A > 0 and dp > thr` or `A <= 0 and dp < -thr`,
+      dp = exp(lp) - exp(lq)).
+    - "tis": token truncated importance sampling. `-(min(ratio, tis_cap).detach() * A * log_ratio)`: the
+      REINFORCE gradient `-(w * A * grad lp)` with the weight truncated at `tis_cap`; no token is masked.
+    - "icepop": `-(keep * A * ratio)`, masking tokens whose ratio is outside [icepop_low, icepop_high].
+    - "geo_mask": `-(keep * A * ratio)`, masking every token of a sample whose geometric-mean ratio
+      exp(mean of log_ratio over its loss tokens) is outside [geo_low, geo_high].
+    """
 
     dp_threshold: float = Field(0.2, gt=0.0)
-    """Mask a token when its probability moved by more than this in the direction its advantage pushes."""
+    """dppo_tv: mask a token when its probability moved by more than this in the direction its advantage pushes."""
 
     kl_coef: float = Field(1e-3, ge=0.0)
-    """Weight of the squared log-ratio (trainer vs inference) penalty."""
+    """Weight of the squared log-ratio (trainer vs inference) penalty (all kinds)."""
+
+    tis_cap: float = Field(2.0, gt=0.0)
+    """tis: importance weights are truncated at this value (C)."""
+
+    icepop_low: float = Field(0.5, ge=0.0)
+    """icepop: mask tokens whose ratio is below this."""
+
+    icepop_high: float = Field(5.0, gt=0.0)
+    """icepop: mask tokens whose ratio is above this."""
+
+    geo_low: float = Field(0.5, ge=0.0)
+    """geo_mask: mask a whole sample when its geometric-mean ratio is below this."""
+
+    geo_high: float = Field(2.0, gt=0.0)
+    """geo_mask: mask a whole sample when its geometric-mean ratio is above this."""
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> "LossConfig":
+        for name, low, high in (("icepop", self.icepop_low, self.icepop_high), ("geo", self.geo_low, self.geo_high)):
+            if not low < 1.0 < high:
+                raise ValueError(
+                    f"trainer.loss.{name}_low ({low}) must be < 1 < trainer.loss.{name}_high ({high}), "
+                    "so that on-policy tokens (ratio 1) are kept"
+                )
+        return self
 
 
 class ProbeConfig(BaseConfig):

@@ -6,7 +6,7 @@ from torch import Tensor, nn
 from slipstream.config.trainer import LossConfig
 from slipstream.trainer.data import to_packed
 from slipstream.trainer.logprobs import compute_logprobs, mixed_precision
-from slipstream.trainer.loss import LossStats, dppo_kl_loss
+from slipstream.trainer.loss import LossStats, rl_loss
 from slipstream.transport.rollouts import TrainingBatch
 
 
@@ -33,14 +33,14 @@ def train_step(
         packed = to_packed(mb, device)
         with mixed_precision(device, compute_dtype):
             logprobs_T, entropy_T = compute_logprobs(model, packed)
-        loss, stats = dppo_kl_loss(
+        loss, stats = rl_loss(
             logprobs_T,
             packed.inference_logprobs_T,
             packed.advantages_T,
             packed.loss_mask_T,
             num_loss_tokens=batch.num_loss_tokens,
-            dp_threshold=loss_config.dp_threshold,
-            kl_coef=loss_config.kl_coef,
+            config=loss_config,
+            position_ids_T=packed.position_ids_T,
         )
         loss.backward()
         total = stats if total is None else total + stats

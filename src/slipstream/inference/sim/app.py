@@ -29,6 +29,13 @@ from slipstream.orchestrator.client import LOAD_WEIGHTS_METHOD
 
 Handler = Callable[[Request], Awaitable[Response]]
 
+_METRICS = (  # vLLM's Prometheus names; counts are per sequence (one per choice), like vLLM v1
+    ("vllm:num_requests_running", "gauge", "Sequences being decoded."),
+    ("vllm:num_requests_waiting", "gauge", "Sequences waiting for a capacity slot or for /resume."),
+    ("vllm:prompt_tokens_total", "counter", "Prompt tokens processed."),
+    ("vllm:generation_tokens_total", "counter", "Tokens generated."),
+)
+
 
 def _error(status: int, message: str) -> JSONResponse:
     kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(status, "Error")
@@ -158,18 +165,9 @@ class SimServer:
 
     async def metrics(self, request: Request) -> Response:
         e, labels = self.engine, f'{{model_name="{self.config.model_name or "sim"}"}}'
+        values = (e.num_running, e.num_held + e.num_waiting, e.prompt_tokens_total, e.generation_tokens_total)
         lines = []
-        for name, kind, help_text, value in (
-            ("vllm:num_requests_running", "gauge", "Sequences being decoded.", e.num_running),
-            (
-                "vllm:num_requests_waiting",
-                "gauge",
-                "Sequences waiting for a slot or for /resume.",
-                e.num_held + e.num_waiting,
-            ),
-            ("vllm:prompt_tokens_total", "counter", "Prompt tokens processed.", e.prompt_tokens_total),
-            ("vllm:generation_tokens_total", "counter", "Tokens generated.", e.generation_tokens_total),
-        ):
+        for (name, kind, help_text), value in zip(_METRICS, values, strict=True):
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{labels} {float(value)}"]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
@@ -185,8 +183,8 @@ class SimServer:
         n = _int_field(body, "n", 1, 1)
         max_tokens = max_tokens or self.config.default_max_tokens
         seed = request_seed(self.config.seed, _int_field(body, "seed", None, 0), prompt_ids)
-        cfg = self.config
-        plans = [plan_completion(seed, i, max_tokens, cfg.vocab_size, cfg.stop_prob) for i in range(n)]
+        vocab_size, stop_prob = self.config.vocab_size, self.config.stop_prob
+        plans = [plan_completion(seed, i, max_tokens, vocab_size, stop_prob) for i in range(n)]
         self.engine.record(endpoint, body.get("cache_salt"), n, max_tokens)
         return await self.engine.generate(plans, len(prompt_ids))
 

@@ -1,0 +1,223 @@
+"""The simulated inference server: latency tails, capacity queueing, pause modes, policy version per token, metrics."""
+
+import ast
+import asyncio
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from slipstream.envs.base import Task
+from slipstream.inference.sim import (
+    LatencyModel,
+    SimConfig,
+    SimServer,
+    latency_percentiles,
+    serve_in_thread,
+    sim_logprob,
+)
+from slipstream.inference.sim.serve import main as sim_main
+from slipstream.orchestrator.client import InferenceClient
+from slipstream.orchestrator.rollouts import parse_chat_response
+
+MESSAGES = [{"role": "user", "content": "reverse: abc"}]
+
+
+def chat_body(n: int = 1, max_tokens: int = 8, **extra) -> dict:
+    """What orchestrator/client.py sends."""
+    body = {"model": "m", "messages": MESSAGES, "n": n, "temperature": 1.0, "max_completion_tokens": max_tokens}
+    return {**body, "logprobs": True, "top_logprobs": 0, "return_token_ids": True, "cache_salt": "policy-0", **extra}
+
+
+def publish(tmp_path: Path, step: int) -> str:
+    folder = tmp_path / "weights" / f"step_{step}"
+    folder.mkdir(parents=True)
+    (folder / "READY").write_text("")
+    return str(folder)
+
+
+async def gauges(http: httpx.AsyncClient) -> dict[str, float]:
+    text = (await http.get("/metrics")).text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^(vllm:\w+)\{[^}]*\} (\S+)$", text, re.M)}
+
+
+def serve(**config):
+    server = SimServer(SimConfig(**config))
+    return server, serve_in_thread(server)
+
+
+@pytest.mark.parametrize("dist", ["lognormal", "pareto"])
+def test_latency_distribution_has_the_configured_median_and_tail(dist):
+    config = SimConfig(request_latency_dist=dist, request_latency_p50_s=0.2, request_latency_tail_ratio=10.0)
+    stats = latency_percentiles(config, num_samples=200_000)
+    assert stats["p50_s"] == pytest.approx(0.2, rel=0.03)
+    assert stats["tail_ratio"] == pytest.approx(10.0, rel=0.1)
+    model = LatencyModel.from_config(config)
+    assert model.quantile(0.5) == pytest.approx(0.2) and model.quantile(0.99) == pytest.approx(2.0)
+
+
+def test_pareto_tail_beyond_p99_is_heavier_than_lognormal():
+    def p999(dist: str) -> float:
+        return LatencyModel(dist, 1.0, 10.0).quantile(0.999)
+
+    assert p999("pareto") > 1.5 * p999("lognormal")
+    assert latency_percentiles(SimConfig(request_latency_p50_s=0.3))["tail_ratio"] == 1.0  # ratio 1: constant
+
+
+def test_chat_reply_has_the_fields_the_orchestrator_reads():
+    server, serving = serve(model_name="m", vocab_size=50)
+    with serving as url:
+        reply = httpx.post(f"{url}/v1/chat/completions", json=chat_body(n=3, max_tokens=5)).json()
+        again = httpx.post(f"{url}/v1/chat/completions", json=chat_body(n=3, max_tokens=5)).json()
+        wrong_model = httpx.post(f"{url}/v1/chat/completions", json={**chat_body(), "model": "other"})
+    rollouts = parse_chat_response(reply, Task(id="t", prompt=MESSAGES), n=3, policy_version=0)
+    assert [r.completion_token_ids for r in rollouts] == [c["token_ids"] for c in again["choices"]]  # deterministic
+    assert len({tuple(r.completion_token_ids) for r in rollouts}) == 3  # choices differ
+    for r, choice in zip(rollouts, reply["choices"], strict=True):
+        assert len(r.completion_token_ids) == 5 and all(0 <= t < 50 for t in r.completion_token_ids)
+        assert r.completion_logprobs == [sim_logprob(0, t) for t in r.completion_token_ids]
+        assert choice["token_versions"] == [0] * 5 and choice["finish_reason"] == "length"
+        assert r.completion_text == choice["message"]["content"] and len(r.completion_text) == 5
+    assert reply["prompt_token_ids"] == rollouts[0].prompt_token_ids
+    assert [(rec.endpoint, rec.cache_salt, rec.n) for rec in server.engine.records] == [("chat", "policy-0", 3)] * 2
+    assert wrong_model.status_code == 404
+
+
+def test_pause_keep_freezes_progress_until_resume():
+    server, serving = serve(token_latency_s=0.02)
+
+    async def scenario(url: str) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+            start = time.monotonic()
+            request = asyncio.create_task(http.post("/v1/chat/completions", json=chat_body(max_tokens=10)))
+            await asyncio.sleep(0.07)
+            await http.post("/pause", params={"mode": "keep"})
+            frozen_at = server.engine.generation_tokens_total
+            assert 1 <= frozen_at < 10
+            await asyncio.sleep(0.25)
+            assert server.engine.generation_tokens_total == frozen_at and not request.done()
+            assert (await gauges(http))["vllm:num_requests_running"] == 1
+            await http.post("/resume")
+            choice = (await request).json()["choices"][0]
+            assert len(choice["token_ids"]) == 10 and choice["finish_reason"] == "length"
+            assert time.monotonic() - start >= 0.2 + 0.25  # 10 x 20 ms of decode plus the pause
+
+    with serving as url:
+        asyncio.run(scenario(url))
+
+
+def test_request_spanning_a_weight_update_reports_both_versions(tmp_path):
+    server, serving = serve(token_latency_s=0.01)
+    path = publish(tmp_path, 3)
+
+    async def scenario(url: str) -> None:
+        async with (
+            httpx.AsyncClient(base_url=url, timeout=10) as http,
+            InferenceClient(url, "m", request_timeout_s=10) as client,
+        ):
+            request = asyncio.create_task(http.post("/v1/chat/completions", json=chat_body(max_tokens=30)))
+            await asyncio.sleep(0.1)
+            await client.load_weights(path)  # pause keep, collective_rpc, reset_prefix_cache, resume
+            choice = (await request).json()["choices"][0]
+            versions, ids = choice["token_versions"], choice["token_ids"]
+            k = versions.index(3)
+            assert 0 < k < 30 and versions == [0] * k + [3] * (30 - k)
+            logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+            assert logprobs == [sim_logprob(v, t) for v, t in zip(versions, ids, strict=True)]
+            probe = [5, 17, 42, 99]
+            assert await client.score_tokens(probe, "policy-3") == [sim_logprob(3, t) for t in probe[1:]]
+
+    with serving as url:
+        asyncio.run(scenario(url))
+    assert server.engine.version == 3 and server.engine.loads == [path] and server.num_prefix_cache_resets == 1
+    assert [rec.cache_salt for rec in server.engine.records] == ["policy-0", "policy-3"]
+
+
+def test_capacity_queues_sequences_and_metrics_report_them():
+    server, serving = serve(capacity=2, request_latency_p50_s=0.15)
+
+    async def scenario(url: str) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+            assert await gauges(http) == {
+                "vllm:num_requests_running": 0.0,
+                "vllm:num_requests_waiting": 0.0,
+                "vllm:prompt_tokens_total": 0.0,
+                "vllm:generation_tokens_total": 0.0,
+            }
+            start = time.monotonic()
+            one = asyncio.create_task(http.post("/v1/chat/completions", json=chat_body(n=3, max_tokens=1)))
+            two = asyncio.create_task(
+                http.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "max_tokens": 1})
+            )
+            await asyncio.sleep(0.07)
+            now = await gauges(http)
+            assert (now["vllm:num_requests_running"], now["vllm:num_requests_waiting"]) == (2, 2)
+            await asyncio.gather(one, two)
+            assert 0.29 <= time.monotonic() - start < 1.0  # two waves of 150 ms
+            assert (await gauges(http))["vllm:generation_tokens_total"] == 4
+
+    with serving as url:
+        asyncio.run(scenario(url))
+
+
+def test_requests_sent_while_paused_wait_for_resume():
+    server, serving = serve()
+
+    async def scenario(url: str) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+            await http.post("/pause", params={"mode": "keep"})
+            request = asyncio.create_task(http.post("/v1/chat/completions", json=chat_body(n=2)))
+            await asyncio.sleep(0.1)
+            assert not request.done() and (await gauges(http))["vllm:num_requests_waiting"] == 2
+            await http.post("/resume")
+            assert [len(c["token_ids"]) for c in (await request).json()["choices"]] == [8, 8]
+
+    with serving as url:
+        asyncio.run(scenario(url))
+
+
+def test_pause_abort_ends_in_flight_requests_and_wait_drains_them():
+    server, serving = serve(token_latency_s=0.01)
+
+    async def scenario(url: str) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+            request = asyncio.create_task(http.post("/v1/chat/completions", json=chat_body(max_tokens=50)))
+            await asyncio.sleep(0.1)
+            await http.post("/pause", params={"mode": "abort"})
+            choice = (await request).json()["choices"][0]
+            assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < 50
+            await http.post("/resume")
+
+            request = asyncio.create_task(http.post("/v1/chat/completions", json=chat_body(max_tokens=10)))
+            await asyncio.sleep(0.03)
+            await http.post("/pause", params={"mode": "wait"})  # returns once the request has finished
+            assert server.engine.generation_tokens_total == len(choice["token_ids"]) + 10
+            assert (await request).json()["choices"][0]["finish_reason"] == "length"
+
+    with serving as url:
+        asyncio.run(scenario(url))
+
+
+def test_weight_loads_are_checked(tmp_path):
+    server, serving = serve()
+    (tmp_path / "weights" / "step_2").mkdir(parents=True)
+
+    def rpc(url: str, path: str) -> httpx.Response:
+        return httpx.post(f"{url}/collective_rpc", json={"method": "slipstream_load_weights", "args": [path]})
+
+    with serving as url:
+        assert "POST /pause first" in rpc(url, publish(tmp_path, 1)).text
+        httpx.post(f"{url}/pause", params={"mode": "keep"})
+        assert "READY" in rpc(url, str(tmp_path / "weights" / "step_2")).text
+        assert "step_N" in rpc(url, str(tmp_path)).text
+        reply = rpc(url, str(tmp_path / "weights" / "step_1"))
+    assert reply.status_code == 200 and reply.json()["results"][0]["path"].endswith("step_1")
+    assert server.engine.version == 1
+
+
+def test_cli_prints_latency_percentiles(capsys):
+    assert sim_main(["--print-latency", "--request-latency-p50-s", "0.5", "--request-latency-tail-ratio", "4"]) == 0
+    stats = ast.literal_eval(capsys.readouterr().out)
+    assert stats["p50_s"] == pytest.approx(0.5, rel=0.03) and stats["tail_ratio"] == pytest.approx(4.0, rel=0.1)
