@@ -24,7 +24,7 @@ demo: setup
 
 # pytest exit code 5 (no tests collected) must fail, not pass
 test: setup
-	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff check src tests $(wildcard benchmarks)
 	$(PY) -m pytest tests -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "error: no tests ran"; exit 1; fi; exit $$rc
 
 test-unit: setup
@@ -34,9 +34,9 @@ test-e2e: setup
 	$(PY) -m pytest tests/e2e -q
 
 lint: setup
-	$(PY) -m ruff check src tests benchmarks
-	$(PY) -m ruff format --check src tests benchmarks
+	$(PY) -m ruff check src tests $(wildcard benchmarks)
+	$(PY) -m ruff format --check src tests $(wildcard benchmarks)
 
 format: setup
-	$(PY) -m ruff format src tests benchmarks
-	$(PY) -m ruff check --fix src tests benchmarks
+	$(PY) -m ruff format src tests $(wildcard benchmarks)
+	$(PY) -m ruff check --fix src tests $(wildcard benchmarks)
