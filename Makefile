@@ -9,6 +9,10 @@ DEMO_CONFIG ?= examples/reverse_text/rl.toml
 .PHONY: setup demo test test-unit test-e2e lint format
 
 $(STAMP): pyproject.toml
+	@# bubblewrap isolates tool/code execution (src/slipstream/sandbox); installed when we can (root + apt)
+	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; } || \
+		echo "warning: bubblewrap is not installed: the sandbox will refuse untrusted code (see src/slipstream/sandbox)"
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[$(EXTRA),dev]"
