@@ -12,6 +12,8 @@ commands:
   inference     run the vLLM inference server with Slipstream's weight-loading extension
   orchestrator  run the orchestrator (rollouts, rewards, batches)
   trainer       run the trainer (launch it under torchrun for several ranks)
+  eval          score a model folder or a run's step on an environment split (mean reward, pass@k)
+  plot RUN_DIR  write PNG plots of a run into RUN_DIR/plots/
   model         model utilities: `model import NAME|FILE.gguf`, `model tiny --family F --out DIR`
 
 Configs: -c/--config FILE.toml (repeatable, later files win), then dotted overrides such as
@@ -28,6 +30,7 @@ CONFIG_COMMANDS = {
         "run_orchestrator",
     ),
     "trainer": ("slipstream.config.trainer", "TrainerConfig", "slipstream.trainer.rl", "run_trainer"),
+    "eval": ("slipstream.config.eval", "EvalConfig", "slipstream.eval.run", "eval_command"),
 }
 
 
@@ -41,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         from slipstream.models.cli import main as model_main
 
         return model_main(rest)
+    if command == "plot":
+        from slipstream.monitor.plots import main as plot_main
+
+        return plot_main(rest)
     if command not in CONFIG_COMMANDS:
         print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
@@ -73,7 +80,7 @@ def _run_config_command(command: str, rest: list[str]) -> int:
 
 def _print_help(command: str, config_cls: type, rows: list[tuple[str, str, str]]) -> None:
     print(f"usage: slipstream {command} [-c FILE.toml]... [--key VALUE]...\n")
-    print(textwrap.fill((config_cls.__doc__ or "").strip(), 100), "\n\noptions:")
+    print(textwrap.fill(" ".join((config_cls.__doc__ or "").split()), 100), "\n\noptions:")
     for option, type_default, doc in rows:
         print(f"  {option}  ({type_default})")
         if doc:

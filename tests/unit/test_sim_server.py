@@ -85,24 +85,32 @@ def test_chat_reply_has_the_fields_the_orchestrator_reads():
     assert wrong_model.status_code == 404
 
 
+async def _until(condition, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
 def test_pause_keep_freezes_progress_until_resume():
     server, serving = serve(token_latency_s=0.02)
 
     async def scenario(url: str) -> None:
         async with httpx.AsyncClient(base_url=url, timeout=10) as http:
             start = time.monotonic()
-            request = asyncio.create_task(http.post("/v1/chat/completions", json=chat_body(max_tokens=10)))
+            request = asyncio.create_task(http.post("/v1/chat/completions", json=chat_body(max_tokens=50)))
+            await _until(lambda: server.engine.num_running == 1)
             await asyncio.sleep(0.07)
             await http.post("/pause", params={"mode": "keep"})
             frozen_at = server.engine.generation_tokens_total
-            assert 1 <= frozen_at < 10
+            assert 1 <= frozen_at < 50
             await asyncio.sleep(0.25)
             assert server.engine.generation_tokens_total == frozen_at and not request.done()
             assert (await gauges(http))["vllm:num_requests_running"] == 1
             await http.post("/resume")
             choice = (await request).json()["choices"][0]
-            assert len(choice["token_ids"]) == 10 and choice["finish_reason"] == "length"
-            assert time.monotonic() - start >= 0.2 + 0.25  # 10 x 20 ms of decode plus the pause
+            assert len(choice["token_ids"]) == 50 and choice["finish_reason"] == "length"
+            assert time.monotonic() - start >= 1.0 + 0.25  # 50 x 20 ms of decode plus the pause
 
     with serving as url:
         asyncio.run(scenario(url))
@@ -117,13 +125,14 @@ def test_request_spanning_a_weight_update_reports_both_versions(tmp_path):
             httpx.AsyncClient(base_url=url, timeout=10) as http,
             InferenceClient(url, "m", request_timeout_s=10) as client,
         ):
-            request = asyncio.create_task(http.post("/v1/chat/completions", json=chat_body(max_tokens=30)))
+            request = asyncio.create_task(http.post("/v1/chat/completions", json=chat_body(max_tokens=60)))
+            await _until(lambda: server.engine.num_running == 1)
             await asyncio.sleep(0.1)
             await client.load_weights(path)  # pause keep, collective_rpc, reset_prefix_cache, resume
             choice = (await request).json()["choices"][0]
             versions, ids = choice["token_versions"], choice["token_ids"]
             k = versions.index(3)
-            assert 0 < k < 30 and versions == [0] * k + [3] * (30 - k)
+            assert 0 < k < 60 and versions == [0] * k + [3] * (60 - k)
             logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
             assert logprobs == [sim_logprob(v, t) for v, t in zip(versions, ids, strict=True)]
             probe = [5, 17, 42, 99]
@@ -136,7 +145,7 @@ def test_request_spanning_a_weight_update_reports_both_versions(tmp_path):
 
 
 def test_capacity_queues_sequences_and_metrics_report_them():
-    server, serving = serve(capacity=2, request_latency_p50_s=0.15)
+    server, serving = serve(capacity=2, request_latency_p50_s=0.5)
 
     async def scenario(url: str) -> None:
         async with httpx.AsyncClient(base_url=url, timeout=10) as http:
@@ -151,11 +160,11 @@ def test_capacity_queues_sequences_and_metrics_report_them():
             two = asyncio.create_task(
                 http.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "max_tokens": 1})
             )
-            await asyncio.sleep(0.07)
+            await _until(lambda: server.engine.num_running + server.engine.num_waiting == 4)
             now = await gauges(http)
             assert (now["vllm:num_requests_running"], now["vllm:num_requests_waiting"]) == (2, 2)
             await asyncio.gather(one, two)
-            assert 0.29 <= time.monotonic() - start < 1.0  # two waves of 150 ms
+            assert 0.99 <= time.monotonic() - start < 3.0  # two waves of 500 ms
             assert (await gauges(http))["vllm:generation_tokens_total"] == 4
 
     with serving as url:
@@ -169,6 +178,7 @@ def test_requests_sent_while_paused_wait_for_resume():
         async with httpx.AsyncClient(base_url=url, timeout=10) as http:
             await http.post("/pause", params={"mode": "keep"})
             request = asyncio.create_task(http.post("/v1/chat/completions", json=chat_body(n=2)))
+            await _until(lambda: server.engine.num_waiting + server.engine.num_held == 2)
             await asyncio.sleep(0.1)
             assert not request.done() and (await gauges(http))["vllm:num_requests_waiting"] == 2
             await http.post("/resume")
@@ -184,14 +194,15 @@ def test_pause_abort_ends_in_flight_requests_and_wait_drains_them():
     async def scenario(url: str) -> None:
         async with httpx.AsyncClient(base_url=url, timeout=10) as http:
             request = asyncio.create_task(http.post("/v1/chat/completions", json=chat_body(max_tokens=50)))
-            await asyncio.sleep(0.1)
+            await _until(lambda: server.engine.num_running == 1)
+            await asyncio.sleep(0.05)  # a few of its 50 tokens (10 ms each) are due
             await http.post("/pause", params={"mode": "abort"})
             choice = (await request).json()["choices"][0]
             assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < 50
             await http.post("/resume")
 
             request = asyncio.create_task(http.post("/v1/chat/completions", json=chat_body(max_tokens=10)))
-            await asyncio.sleep(0.03)
+            await _until(lambda: server.engine.num_running == 1)  # in flight before the pause, however slow the host
             await http.post("/pause", params={"mode": "wait"})  # returns once the request has finished
             assert server.engine.generation_tokens_total == len(choice["token_ids"]) + 10
             assert (await request).json()["choices"][0]["finish_reason"] == "length"

@@ -145,5 +145,5 @@ def describe_fields(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, s
             continue
         type_name = getattr(field.annotation, "__name__", None) or str(field.annotation).replace("typing.", "")
         default = "required" if field.is_required() else f"default {field.get_default(call_default_factory=True)!r}"
-        rows.append((f"--{key}", f"{type_name}, {default}", (field.description or "").split("\n")[0]))
+        rows.append((f"--{key}", f"{type_name}, {default}", " ".join((field.description or "").split())))
     return rows

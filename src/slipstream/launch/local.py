@@ -38,6 +38,7 @@ def run_rl(config: RLConfig) -> int:
         sup.start(specs["orchestrator"])
         watch_until_done(sup, config)
         _say(f"done: {config.max_steps} steps in {time.monotonic() - start:.0f}s; metrics in {config.output_dir}")
+        _write_plots(config.output_dir)
         return 0
     except ChildFailed as e:
         _say(f"error: {e}; last lines of its log:\n{tail(e.log_path)}", err=True)
@@ -98,6 +99,13 @@ def _print_new_metrics(path: Path, offset: int, max_steps: int, fmt) -> int:
             record = json.loads(line)
             _say(fmt(record["step"], max_steps, record))
     return offset
+
+
+def _write_plots(output_dir: Path) -> None:
+    from slipstream.monitor.plots import write_plots
+
+    paths = write_plots(output_dir)
+    _say(f"plots: {', '.join(p.name for p in paths)} in {output_dir / 'plots'}")
 
 
 def _say(message: str, err: bool = False) -> None:
