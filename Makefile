@@ -29,7 +29,7 @@ demo: setup
 # pytest exit code 5 (no tests collected) must fail, not pass
 test: setup
 	$(PY) -m ruff check src tests $(wildcard benchmarks)
-	$(PY) -m pytest tests -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "error: no tests ran"; exit 1; fi; exit $$rc
+	$(PY) -m pytest tests -q -m "not gpu"; rc=$$?; if [ $$rc -eq 5 ]; then echo "error: no tests ran"; exit 1; fi; exit $$rc
 
 test-unit: setup
 	$(PY) -m pytest tests/unit -q

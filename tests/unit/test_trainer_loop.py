@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from slipstream.config.shared import ModelConfig
-from slipstream.config.trainer import OptimConfig, TrainerConfig
+from slipstream.config.trainer import OptimConfig, ParallelConfig, TrainerConfig
 from slipstream.monitor.metrics import read_metrics
 from slipstream.trainer.data import to_packed
 from slipstream.trainer.logprobs import compute_logprobs
@@ -107,12 +107,14 @@ def _write_batches(model, output_dir, num_steps):
         write_batch(output_dir, TrainingBatch(step, 0, num_loss, micro_batches, metrics=metrics))
 
 
-def test_run_trainer_trains_publishes_and_logs(model, model_dir, tmp_path, capsys):
+@pytest.mark.parametrize("impl", ["custom", "hf"])
+def test_run_trainer_trains_publishes_and_logs(model, model_dir, tmp_path, capsys, impl):
     from transformers import AutoModelForCausalLM
 
     _write_batches(model, tmp_path, num_steps=2)
     config = TrainerConfig(
         model=ModelConfig(name=str(model_dir)),
+        model_impl=impl,
         output_dir=tmp_path,
         max_steps=2,
         optim=OptimConfig(lr=1e-2),
@@ -144,10 +146,16 @@ def test_run_trainer_trains_publishes_and_logs(model, model_dir, tmp_path, capsy
     assert json.loads((weights_dir(tmp_path, 1) / "probe.json").read_text())["logprobs"] != probe["logprobs"]
 
 
-def test_run_trainer_refuses_multiple_ranks(model_dir, tmp_path, monkeypatch):
+def test_run_trainer_rejects_a_mesh_that_does_not_cover_the_ranks(model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    config = TrainerConfig(model=ModelConfig(name=str(model_dir)), output_dir=tmp_path, max_steps=1, device="cpu")
-    with pytest.raises(NotImplementedError, match="multi-rank training is not yet supported"):
+    config = TrainerConfig(
+        model=ModelConfig(name=str(model_dir)),
+        output_dir=tmp_path,
+        max_steps=1,
+        device="cpu",
+        parallel=ParallelConfig(dp_shard=3),
+    )
+    with pytest.raises(ValueError, match=r"= 3 ranks, but WORLD_SIZE is 2"):
         run_trainer(config)
 
 
@@ -158,6 +166,7 @@ def test_bf16_updates_fp32_masters_and_publishes_bf16(model, model_dir, tmp_path
     _write_batches(model, tmp_path, num_steps=1)
     config = TrainerConfig(
         model=ModelConfig(name=str(model_dir), dtype="bfloat16"),
+        model_impl="hf",
         output_dir=tmp_path,
         max_steps=1,
         optim=OptimConfig(lr=1e-6),
@@ -176,7 +185,7 @@ def test_bf16_updates_fp32_masters_and_publishes_bf16(model, model_dir, tmp_path
     trainer.optimizer.register_step_pre_hook(record_grads)
     batch = wait_for_batch(tmp_path, 1, 0, timeout_s=5.0)
     metrics = train_step(
-        trainer.model, trainer.optimizer, batch, config.loss, config.optim.max_grad_norm, CPU, trainer.compute_dtype
+        trainer.policy, trainer.optimizer, batch, config.loss, config.optim.max_grad_norm, CPU, trainer.autocast_dtype
     )
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
 

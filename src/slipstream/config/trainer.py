@@ -1,12 +1,39 @@
-"""Config of the trainer: optimizer, loss, device and timeouts."""
+"""Config of the trainer: model implementation, parallelism, optimizer, loss, checkpoints, device and timeouts."""
 
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from slipstream.config.base import BaseConfig
 from slipstream.config.shared import ModelConfig
+
+
+class ParallelConfig(BaseConfig):
+    """How the trainer's ranks (torchrun's WORLD_SIZE) are arranged: a device mesh
+    (dp_replicate, dp_shard, cp) whose product must equal the world size; ep divides the dp_shard x cp ranks.
+
+    With one rank nothing is sharded. With several, FSDP2 shards every transformer block and the rest of the model
+    over dp_shard (HSDP: replicated over dp_replicate). Each rank trains on its own batch file of a step.
+    """
+
+    dp_replicate: int = Field(1, ge=1)
+    """Data-parallel replicas (HSDP): each replica holds a full copy sharded over its dp_shard ranks."""
+
+    dp_shard: int | None = Field(None, ge=1)
+    """Ranks that shard parameters, gradients and optimizer state (FSDP); default: world_size / (dp_replicate x cp)."""
+
+    ep: int = Field(1, ge=1)
+    """Expert-parallel degree for MoE models (experts split over ep ranks taken from dp_shard x cp). Not implemented
+    yet: values > 1 are rejected when the trainer starts."""
+
+    cp: int = Field(1, ge=1)
+    """Context-parallel degree (long packed sequences split over cp ranks). Not implemented yet: values > 1 are
+    rejected when the trainer starts."""
+
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward instead of keeping them (less memory, ~1/3 more
+    compute). Applies with any number of ranks."""
 
 
 class OptimConfig(BaseConfig):
@@ -92,6 +119,15 @@ class TrainerConfig(BaseConfig):
     model: ModelConfig
     """Model to train (initial weights)."""
 
+    model_impl: Literal["auto", "custom", "hf"] = "auto"
+    """Model implementation the trainer runs:
+    - "custom": Slipstream's own modules (slipstream/models: llama, qwen3, qwen3_moe): packed micro-batches run
+      without padding, the LM head is chunked, MoE experts are grouped; an error for other model types.
+    - "hf": plain transformers (AutoModelForCausalLM); packed samples run as right-padded rows.
+    - "auto" (default): "custom" when the HF config's model_type is one of ours, else "hf".
+    Both publish the same Hugging Face checkpoint layout, so inference is unaffected by this choice. (A trainer
+    field rather than `model.impl`: `model` is shared by all processes and set once at the top level.)"""
+
     output_dir: Path
     """Run directory."""
 
@@ -104,6 +140,16 @@ class TrainerConfig(BaseConfig):
     optim: OptimConfig = OptimConfig()
     loss: LossConfig = LossConfig()
     probe: ProbeConfig = ProbeConfig()
+    parallel: ParallelConfig = ParallelConfig()
+
+    checkpoint_interval: int | None = Field(None, ge=1)
+    """Write a trainer checkpoint (model, optimizer, progress, RNG; torch.distributed.checkpoint) to
+    `output_dir/checkpoints/step_N/trainer/` every this many steps and at the last step; None: never."""
+
+    resume_step: int | Literal["latest"] | None = None
+    """Resume from the checkpoint of this step before training: an int (that checkpoint must exist), "latest"
+    (the newest committed one; starts from scratch, saying so, when there is none) or None (start from scratch).
+    A checkpoint loads at any number of ranks."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Training device; auto picks CUDA when available."""
@@ -113,3 +159,10 @@ class TrainerConfig(BaseConfig):
 
     batch_timeout_s: float = Field(3600.0, gt=0.0)
     """How long to wait for the orchestrator's batch of a step."""
+
+    @field_validator("resume_step")
+    @classmethod
+    def _check_resume_step(cls, value: int | str | None) -> int | str | None:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"trainer.resume_step must be >= 1, 'latest' or unset (got {value})")
+        return value

@@ -1,4 +1,5 @@
-"""Per-token log-probs and entropies of a packed micro-batch under a Hugging Face causal LM.
+"""Per-token log-probs and entropies of a packed micro-batch under one of our models (packed rows, no padding) or a
+Hugging Face causal LM (packed samples run as right-padded rows), through a chunked LM head.
 
 Legend: T = packed tokens, B = samples (padded rows), L = longest sample, N = predicted tokens (T - B),
 D = hidden size, V = vocabulary.
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from slipstream.models.common.transformer import DecoderLM
 from slipstream.trainer.data import PackedMicroBatch, build_padded_layout, pack, unpack
 
 DEFAULT_CHUNK_SIZE = 8192
@@ -28,49 +30,71 @@ def mixed_precision(device: torch.device, compute_dtype: torch.dtype) -> Abstrac
     return torch.autocast(device.type, dtype=compute_dtype)
 
 
+def is_custom_model(model: nn.Module) -> bool:
+    """One of our models (slipstream/models), which runs packed rows itself, rather than a transformers model."""
+    return isinstance(model, DecoderLM)
+
+
 def compute_logprobs(
     model: nn.Module, mb: PackedMicroBatch, chunk_size: int = DEFAULT_CHUNK_SIZE
 ) -> tuple[Tensor, Tensor]:
     """Return (logprobs_T, entropy_T): log p(input_ids[t] | its sample's prefix) at temperatures_T[t], and the
-    entropy of that distribution. Both are 0 at each sample's first token. Gradients flow through logprobs_T.
+    entropy of that distribution. Both are 0 at each sample's first token. Gradients flow through logprobs_T."""
+    return packed_logprobs(model, mb.input_ids_T, mb.position_ids_T, mb.temperatures_T, chunk_size)
 
-    Packed samples never attend to each other: they run as right-padded rows with an attention mask.
-    """
-    check_plain_lm_head(model)
-    layout = build_padded_layout(mb.position_ids_T)
-    input_ids_BL = unpack(mb.input_ids_T, layout, pad_value=0)
-    position_ids_BL = unpack(mb.position_ids_T, layout, pad_value=0)
-    attention_mask_BL = unpack(torch.ones_like(mb.input_ids_T), layout, pad_value=0)
-    out = model.base_model(
-        input_ids=input_ids_BL, attention_mask=attention_mask_BL, position_ids=position_ids_BL, use_cache=False
-    )
-    hidden_TD = pack(out.last_hidden_state, layout)
+
+def packed_logprobs(
+    model: nn.Module, input_ids_T: Tensor, position_ids_T: Tensor, temperatures_T: Tensor, chunk_size: int
+) -> tuple[Tensor, Tensor]:
+    """`compute_logprobs` on the micro-batch's tensors. Packed samples never attend to each other: our models
+    separate them by position_ids (one row, no padding); transformers models get right-padded rows and a mask."""
+    layout = build_padded_layout(position_ids_T)
+    if is_custom_model(model):
+        hidden_TD = model.forward_hidden(input_ids_T[None], position_ids_T[None])[0]
+        head_weight_VD, head_bias_V = model.lm_head_weight, None
+    else:
+        check_plain_lm_head(model)
+        input_ids_BL = unpack(input_ids_T, layout, pad_value=0)
+        position_ids_BL = unpack(position_ids_T, layout, pad_value=0)
+        attention_mask_BL = unpack(torch.ones_like(input_ids_T), layout, pad_value=0)
+        out = model.base_model(
+            input_ids=input_ids_BL, attention_mask=attention_mask_BL, position_ids=position_ids_BL, use_cache=False
+        )
+        hidden_TD = pack(out.last_hidden_state, layout)
+        lm_head = model.get_output_embeddings()
+        head_weight_VD, head_bias_V = lm_head.weight, lm_head.bias
 
     # Token t (not a sample start) is predicted from the hidden state of token t - 1 of the same sample.
     target_N = torch.nonzero(~layout.is_start_T).squeeze(-1)
     logprobs_N, entropy_N = chunked_lm_head_logprobs(
-        model.get_output_embeddings(),
+        head_weight_VD,
         hidden_TD[target_N - 1],
-        mb.input_ids_T[target_N],
-        mb.temperatures_T[target_N],
+        input_ids_T[target_N],
+        temperatures_T[target_N],
         chunk_size,
+        head_bias_V,
     )
-    zeros_T = torch.zeros(mb.num_tokens, dtype=torch.float32, device=hidden_TD.device)
+    zeros_T = torch.zeros(input_ids_T.numel(), dtype=torch.float32, device=hidden_TD.device)
     return zeros_T.index_copy(0, target_N, logprobs_N), zeros_T.index_copy(0, target_N, entropy_N)
 
 
 def chunked_lm_head_logprobs(
-    lm_head: nn.Module, hidden_ND: Tensor, token_ids_N: Tensor, temperatures_N: Tensor, chunk_size: int
+    head_weight_VD: Tensor,
+    hidden_ND: Tensor,
+    token_ids_N: Tensor,
+    temperatures_N: Tensor,
+    chunk_size: int,
+    head_bias_V: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Log-probs of token_ids_N and entropies (float32) under softmax(lm_head(hidden_ND) / temperature),
+    """Log-probs of token_ids_N and entropies (float32) under softmax((hidden_ND @ W^T + b) / temperature),
     chunk by chunk; with grad enabled each chunk's logits are recomputed in backward instead of stored."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0 (got {chunk_size})")
-    recompute = torch.is_grad_enabled() and hidden_ND.requires_grad
+    recompute = torch.is_grad_enabled() and (hidden_ND.requires_grad or head_weight_VD.requires_grad)
     logprobs, entropies = [], []
     for start in range(0, hidden_ND.shape[0], chunk_size):
         chunk = slice(start, start + chunk_size)
-        args = (lm_head, hidden_ND[chunk], token_ids_N[chunk], temperatures_N[chunk])
+        args = (head_weight_VD, head_bias_V, hidden_ND[chunk], token_ids_N[chunk], temperatures_N[chunk])
         lp_C, ent_C = checkpoint(_head_chunk, *args, use_reentrant=False) if recompute else _head_chunk(*args)
         logprobs.append(lp_C)
         entropies.append(ent_C)
@@ -81,10 +105,10 @@ def chunked_lm_head_logprobs(
 
 
 def _head_chunk(
-    lm_head: nn.Module, hidden_CD: Tensor, token_ids_C: Tensor, temperatures_C: Tensor
+    head_weight_VD: Tensor, head_bias_V: Tensor | None, hidden_CD: Tensor, token_ids_C: Tensor, temperatures_C: Tensor
 ) -> tuple[Tensor, Tensor]:
     # The head's matmul runs in the compute dtype (as inference computes its logits); the log-softmax is float32.
-    logits_CV = lm_head(hidden_CD)
+    logits_CV = F.linear(hidden_CD, head_weight_VD, head_bias_V)
     with torch.autocast(hidden_CD.device.type, enabled=False):
         logp_CV = F.log_softmax(logits_CV.float() / temperatures_C.unsqueeze(-1), dim=-1)
         logprobs_C = logp_CV.gather(-1, token_ids_C.unsqueeze(-1)).squeeze(-1)

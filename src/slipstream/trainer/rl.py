@@ -1,128 +1,86 @@
-"""RL trainer loop: wait for the orchestrator's batch of step N, train on it, publish weights of step N, log."""
+"""RL trainer loop: wait for this rank's batch of step N, train on it, publish weights of step N, checkpoint, log."""
 
-import os
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import torch
-from torch import nn
 
 from slipstream.config.trainer import TrainerConfig
 from slipstream.monitor.metrics import MetricsWriter, format_progress, merge_metrics
+from slipstream.parallel.dist import barrier
+from slipstream.trainer.ckpt import save_checkpoint
 from slipstream.trainer.data import validate_batch
+from slipstream.trainer.setup import Trainer, setup_trainer, teardown_trainer
 from slipstream.trainer.step import train_step
-from slipstream.trainer.weights import build_probe_token_ids, publish_weights
+from slipstream.trainer.weights import build_published_model, gather_full_state_dict, publish_weights
 from slipstream.transport.rollouts import wait_for_batch
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class Trainer:
-    """Everything the loop needs, built once by setup_trainer."""
-
-    model: nn.Module
-    tokenizer: "PreTrainedTokenizerBase"
-    optimizer: torch.optim.Optimizer
-    device: torch.device
-    rank: int
-    world_size: int
-    probe_token_ids: list[int]
-    compute_dtype: torch.dtype
-    """config.model.dtype: forward/backward compute dtype and the dtype of the published weights."""
+__all__ = ["run_trainer", "setup_trainer"]
 
 
 def run_trainer(config: TrainerConfig) -> None:
-    """Train for `config.max_steps` steps; step N's weights are published as policy version N."""
+    """Train steps start_step + 1 .. max_steps; step N's weights are published as policy version N (by rank 0)."""
     trainer = setup_trainer(config)
-    writer = MetricsWriter(config.output_dir)
-    for step in range(1, config.max_steps + 1):
-        t_start = time.perf_counter()
-        batch = wait_for_batch(config.output_dir, step, trainer.rank, config.batch_timeout_s)
-        validate_batch(batch, step, trainer.rank, trainer.world_size)
-        t_batch = time.perf_counter()
-        metrics = train_step(
-            trainer.model,
-            trainer.optimizer,
-            batch,
-            config.loss,
-            config.optim.max_grad_norm,
-            trainer.device,
-            trainer.compute_dtype,
+    try:
+        writer = MetricsWriter(config.output_dir) if trainer.info.is_main else None
+        for step in range(trainer.start_step + 1, config.max_steps + 1):
+            t_start = time.perf_counter()
+            batch = wait_for_batch(config.output_dir, step, trainer.rank, config.batch_timeout_s)
+            validate_batch(batch, step, trainer.rank, trainer.world_size)
+            t_batch = time.perf_counter()
+            metrics = train_step(
+                trainer.policy,
+                trainer.optimizer,
+                batch,
+                config.loss,
+                config.optim.max_grad_norm,
+                trainer.device,
+                trainer.autocast_dtype,
+            )
+            t_train = time.perf_counter()
+            publish_step_weights(trainer, config, step)
+            t_publish = time.perf_counter()
+            maybe_checkpoint(trainer, config, step)
+            t_end = time.perf_counter()
+            if writer is None:
+                continue
+            metrics |= {
+                "tokens_per_s": metrics["num_tokens"] / max(t_train - t_batch, 1e-9),
+                "timing/wait_batch_s": t_batch - t_start,
+                "timing/train_s": t_train - t_batch,
+                "timing/publish_s": t_publish - t_train,
+                "timing/checkpoint_s": t_end - t_publish,
+                "timing/step_s": t_end - t_start,
+            }
+            record = writer.write(step, merge_metrics(batch.metrics, metrics))
+            print(format_progress(step, config.max_steps, record), flush=True)
+        barrier()
+    finally:
+        teardown_trainer(trainer)
+
+
+def publish_step_weights(trainer: Trainer, config: TrainerConfig, step: int) -> None:
+    """Publish the weights after `step`. With several ranks every rank takes part in gathering the full state dict,
+    and rank 0 rebuilds a whole model from it and publishes."""
+    model = trainer.model
+    if trainer.world_size > 1:
+        state_dict = gather_full_state_dict(trainer.policy)
+        if not trainer.info.is_main:
+            return
+        model = build_published_model(
+            state_dict, trainer.hf_config, trainer.impl, trainer.compute_dtype, trainer.device
         )
-        t_train = time.perf_counter()
-        publish_weights(
-            trainer.model,
-            trainer.tokenizer,
-            config.output_dir,
-            step,
-            trainer.probe_token_ids,
-            dtype=trainer.compute_dtype,
-        )
-        t_end = time.perf_counter()
-
-        metrics |= {
-            "tokens_per_s": metrics["num_tokens"] / max(t_train - t_batch, 1e-9),
-            "timing/wait_batch_s": t_batch - t_start,
-            "timing/train_s": t_train - t_batch,
-            "timing/publish_s": t_end - t_train,
-            "timing/step_s": t_end - t_start,
-        }
-        record = writer.write(step, merge_metrics(batch.metrics, metrics))
-        print(format_progress(step, config.max_steps, record), flush=True)
-
-
-def setup_trainer(config: TrainerConfig) -> Trainer:
-    """Seed, threads, device, model, tokenizer, AdamW and probe tokens.
-
-    The model is always loaded in float32: those are the master weights AdamW updates (a bf16 update of size
-    lr ~ 1e-6 would round away). config.model.dtype only sets the compute dtype (autocast) and the published dtype.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from slipstream.models.hub import resolve_model
-
-    rank, world_size = read_rank()
-    torch.manual_seed(config.seed)
-    if config.num_threads is not None:
-        torch.set_num_threads(config.num_threads)
-    device = select_device(config.device)
-    hf_logging.disable_progress_bar()
-
-    model_dir = resolve_model(config.model.name)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=config.optim.lr,
-        betas=config.optim.betas,
-        eps=config.optim.eps,
-        weight_decay=config.optim.weight_decay,
+    publish_weights(
+        model,
+        trainer.tokenizer,
+        config.output_dir,
+        step,
+        trainer.probe_token_ids,
+        dtype=trainer.compute_dtype,
+        source_dir=trainer.model_dir,
     )
-    probe_token_ids = build_probe_token_ids(tokenizer, config.probe.text)
-    compute_dtype = _DTYPES[config.model.dtype]
-    return Trainer(model, tokenizer, optimizer, device, rank, world_size, probe_token_ids, compute_dtype)
 
 
-def read_rank() -> tuple[int, int]:
-    """(RANK, WORLD_SIZE) from the environment (torchrun sets them); defaults to a single rank."""
-    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1:
-        raise NotImplementedError(
-            f"WORLD_SIZE={world_size}: multi-rank training is not yet supported; run the trainer as one process"
-        )
-    return rank, world_size
-
-
-def select_device(device: str) -> torch.device:
-    """`auto` picks CUDA when available; an explicit `cuda` without a GPU is an error."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("trainer.device = 'cuda' but torch sees no CUDA device; set trainer.device = 'cpu'")
-    return torch.device(device)
+def maybe_checkpoint(trainer: Trainer, config: TrainerConfig, step: int) -> None:
+    """Checkpoint every `checkpoint_interval` steps and at the last step (when checkpointing is on)."""
+    interval = config.checkpoint_interval
+    if interval is None or (step % interval != 0 and step != config.max_steps):
+        return
+    save_checkpoint(trainer.policy, trainer.optimizer, config.output_dir, trainer.checkpoint_meta(step), trainer.info)

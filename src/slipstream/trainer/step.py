@@ -1,38 +1,52 @@
-"""One optimizer step on one TrainingBatch: forward/backward per micro-batch, clip, step; returns its metrics."""
+"""One optimizer step on one TrainingBatch: forward/backward per micro-batch, clip, step; returns its metrics.
+
+With several ranks every rank runs the same number of forward/backward passes (FSDP's collectives run in
+lockstep): a rank with fewer micro-batches repeats its last one with its loss multiplied by 0. Metrics are
+sums over all ranks' loss tokens.
+"""
+
+from dataclasses import fields
 
 import torch
 from torch import Tensor, nn
 
 from slipstream.config.trainer import LossConfig
+from slipstream.parallel.dist import all_reduce_max, all_reduce_sum
+from slipstream.parallel.grad import clip_grad_norm
 from slipstream.trainer.data import to_packed
-from slipstream.trainer.logprobs import compute_logprobs, mixed_precision
+from slipstream.trainer.logprobs import mixed_precision
 from slipstream.trainer.loss import LossStats, rl_loss
 from slipstream.transport.rollouts import TrainingBatch
 
 
 def train_step(
-    model: nn.Module,
+    policy: nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: TrainingBatch,
     loss_config: LossConfig,
     max_grad_norm: float,
     device: torch.device,
-    compute_dtype: torch.dtype = torch.float32,
+    autocast_dtype: torch.dtype = torch.float32,
 ) -> dict[str, float | None]:
-    """Accumulate gradients of every micro-batch (each loss already divided by the step's loss-token count),
-    clip the gradient norm, step the optimizer and zero the gradients.
+    """Accumulate gradients of every micro-batch (each loss already divided by the step's loss-token count across
+    ranks), clip the global gradient norm, step the optimizer and zero the gradients.
 
-    The model's parameters are the float32 masters; with a lower `compute_dtype` the forward runs under autocast
+    `policy` maps (input_ids_T, position_ids_T, temperatures_T) to (logprobs_T, entropy_T) (trainer/policy.py).
+    Its parameters are the float32 masters; with `autocast_dtype` bfloat16 the forward runs under autocast
     (backward follows it), so AdamW always updates float32 weights.
     """
-    model.train()
+    if not batch.micro_batches:
+        raise ValueError(f"batch of step {batch.step} rank {batch.rank} has no micro-batches")
+    policy.train()
     total: LossStats | None = None
     entropy_sum = torch.zeros((), device=device)
     num_tokens = 0
-    for mb in batch.micro_batches:
-        packed = to_packed(mb, device)
-        with mixed_precision(device, compute_dtype):
-            logprobs_T, entropy_T = compute_logprobs(model, packed)
+    num_passes = all_reduce_max(len(batch.micro_batches), device)
+    for i in range(num_passes):
+        is_padding = i >= len(batch.micro_batches)
+        packed = to_packed(batch.micro_batches[min(i, len(batch.micro_batches) - 1)], device)
+        with mixed_precision(device, autocast_dtype):
+            logprobs_T, entropy_T = policy(packed.input_ids_T, packed.position_ids_T, packed.temperatures_T)
         loss, stats = rl_loss(
             logprobs_T,
             packed.inference_logprobs_T,
@@ -42,20 +56,21 @@ def train_step(
             config=loss_config,
             position_ids_T=packed.position_ids_T,
         )
+        if is_padding:
+            (loss * 0.0).backward()  # keeps this rank in step with the others' collectives; adds no gradient
+            continue
         loss.backward()
         total = stats if total is None else total + stats
         entropy_sum += torch.where(packed.loss_mask_T, entropy_T, 0.0).sum()
         num_tokens += packed.num_tokens
-    if total is None:
-        raise ValueError(f"batch of step {batch.step} rank {batch.rank} has no micro-batches")
 
-    grad_norm = clip_and_step(model, optimizer, max_grad_norm, batch.step)
+    grad_norm = clip_and_step(policy, optimizer, max_grad_norm, batch.step)
     return summarize_step(total, entropy_sum, grad_norm, optimizer, batch, num_tokens)
 
 
 def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float, step: int) -> Tensor:
-    """Clip the global gradient norm, step, zero grads; return the norm before clipping."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    """Clip the global gradient norm (over all ranks' shards), step, zero grads; return the norm before clipping."""
+    grad_norm = clip_grad_norm(model.parameters(), max_grad_norm)
     if not torch.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         raise FloatingPointError(
@@ -75,8 +90,12 @@ def summarize_step(
     batch: TrainingBatch,
     num_tokens: int,
 ) -> dict[str, float | None]:
-    """Exact means over this rank's loss tokens (None where a mean has no tokens)."""
-    s = total.to_floats()
+    """Exact means over the step's loss tokens on all ranks (None where a mean has no tokens); one all-reduce."""
+    names = [f.name for f in fields(total)]
+    local = [getattr(total, name).double() for name in names]
+    local += [entropy_sum.double(), torch.tensor(num_tokens, dtype=torch.float64, device=entropy_sum.device)]
+    values = all_reduce_sum(torch.stack(local)).tolist()
+    s = dict(zip([*names, "entropy_sum", "num_tokens"], values, strict=True))
     num_loss, num_masked = s["num_loss_tokens"], s["num_masked"]
     return {
         "loss": s["loss"],
@@ -84,11 +103,11 @@ def summarize_step(
         "mismatch_kl_masked": _mean(s["mismatch_kl_masked_sum"], num_masked),
         "mismatch_kl_unmasked": _mean(s["mismatch_kl_unmasked_sum"], num_loss - num_masked),
         "masked_fraction": _mean(num_masked, num_loss),
-        "entropy": _mean(entropy_sum.item(), num_loss),
+        "entropy": _mean(s["entropy_sum"], num_loss),
         "grad_norm": grad_norm.item(),
         "lr": optimizer.param_groups[0]["lr"],
         "num_loss_tokens": batch.num_loss_tokens,
-        "num_tokens": num_tokens,
+        "num_tokens": int(s["num_tokens"]),
     }
 
 

@@ -1,0 +1,215 @@
+"""Throughput of the trainer's RL step (loss + backward + optimizer step) on fake packed data with random weights.
+
+    python benchmarks/trainer_throughput.py --model qwen3-0.6b --seq-len 16384 --impl custom --compare-hf
+    python benchmarks/trainer_throughput.py --model tiny --device cpu --seq-len 512 --compare-hf
+
+Runs the trainer's own code (Policy, train_step, AdamW on float32 masters, bf16 autocast on GPUs) on one device.
+Prints tokens/s, MFU and peak memory per implementation, and last `tokens_per_s: <x> mfu: <y>` for `--impl`
+(plus `vs_hf: <ratio>` with --compare-hf). MFU uses REFERENCE.md's FLOPs/token: 6 x active matmul parameters
++ 12 x layers x heads x head_dim x context, where context is the attended length per token (the mean sample
+length weighted by tokens, as packed samples never attend to each other), over the dense bf16 peak of an
+H100/H200 SXM (989e12 FLOP/s); n/a on CPU.
+"""
+
+import argparse
+import gc
+import resource
+import time
+from dataclasses import dataclass
+
+import torch
+
+from slipstream.config.trainer import LossConfig, ParallelConfig
+from slipstream.models.registry import build_model, export_hf_state_dict
+from slipstream.parallel.fsdp import parallelize_model
+from slipstream.trainer.policy import Policy
+from slipstream.trainer.step import train_step
+from slipstream.transport.rollouts import MicroBatch, TrainingBatch
+
+PEAK_FLOPS = 989e12
+"""Dense bf16 peak of an H100/H200 SXM."""
+PROMPT_FRACTION = 0.2
+"""Share of each fake sample that is prompt (no loss)."""
+
+
+def build_hf_config(name: str):
+    """A Qwen3 config: the shape of Qwen3-0.6B (vocab 151936), or the 2-layer tiny test shape (vocab 512)."""
+    from transformers import Qwen3Config
+
+    if name == "tiny":
+        from slipstream.models.tiny import build_config
+
+        return build_config("qwen3", vocab_size=512, eos_token_id=2, pad_token_id=0)
+    if name == "qwen3-0.6b":
+        return Qwen3Config(
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+            tie_word_embeddings=True,
+        )
+    raise ValueError(f"unknown --model {name!r}; choose qwen3-0.6b or tiny")
+
+
+def active_matmul_params(cfg) -> int:
+    """Matmul weights one token goes through: attention and MLP projections of every layer, plus the LM head."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    q_out, kv_out = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    attention = cfg.hidden_size * (2 * q_out + 2 * kv_out)
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_hidden_layers * (attention + mlp) + cfg.vocab_size * cfg.hidden_size
+
+
+def flops_per_token(cfg, context: float) -> float:
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * context
+    return 6 * active_matmul_params(cfg) + attention
+
+
+def fake_batch(seq_len: int, num_samples: int, vocab_size: int, seed: int = 0) -> tuple[TrainingBatch, float]:
+    """One micro-batch of `seq_len` tokens packing `num_samples` samples; returns it and the attended context."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [seq_len // num_samples] * num_samples
+    lengths[-1] += seq_len - sum(lengths)
+    ids, pos, mask = torch.randint(0, vocab_size, (seq_len,), generator=g).tolist(), [], []
+    for n in lengths:
+        num_prompt = max(1, int(PROMPT_FRACTION * n))
+        pos += list(range(n))
+        mask += [False] * num_prompt + [True] * (n - num_prompt)
+    sign = (torch.randint(0, 2, (seq_len,), generator=g) * 2 - 1).tolist()
+    lq = (-torch.rand(seq_len, generator=g) * 3).tolist()
+    mb = MicroBatch(
+        input_ids=ids,
+        position_ids=pos,
+        loss_mask=mask,
+        advantages=[float(s) if m else 0.0 for s, m in zip(sign, mask, strict=True)],
+        inference_logprobs=[x if m else 0.0 for x, m in zip(lq, mask, strict=True)],
+        temperatures=[1.0] * seq_len,
+    )
+    context = sum(n * n for n in lengths) / seq_len
+    return TrainingBatch(step=1, rank=0, num_loss_tokens=sum(mask), micro_batches=[mb]), context
+
+
+def build_random_model(cfg, impl: str, device: torch.device) -> torch.nn.Module:
+    """A float32 model of `impl` on `device` with the same random weights for both impls (ours, seed 0)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        ours = build_model(cfg, "custom").float()
+    if impl == "custom":
+        return ours
+    cfg._attn_implementation = "sdpa"  # the transformers baseline: SDPA attention
+    with torch.device(device):
+        model = build_model(cfg, "hf").float()
+    missing, unexpected = model.load_state_dict(export_hf_state_dict(ours), strict=False)
+    if unexpected or set(missing) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()):
+        raise RuntimeError(f"weights do not fit transformers' model: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+@dataclass
+class Result:
+    impl: str
+    tokens_per_s: float
+    mfu: float | None
+    peak_memory_gib: float
+    step_s: float
+
+
+def run_impl(args: argparse.Namespace, impl: str, device: torch.device) -> Result:
+    """Build a fresh random model of `impl`, run warmup + measured steps, return the figures."""
+    cfg = build_hf_config(args.model)
+    model = build_random_model(cfg, impl, device)
+    policy = parallelize_model(Policy(model), None, ParallelConfig(activation_checkpointing=args.ac))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    batch, context = fake_batch(args.seq_len, args.num_samples, cfg.vocab_size)
+    compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    step_s, metrics = time_steps(policy, optimizer, batch, device, compute_dtype, args.warmup, args.steps)
+    tokens_per_s = args.seq_len / step_s
+    mfu = flops_per_token(cfg, context) * tokens_per_s / PEAK_FLOPS if device.type == "cuda" else None
+    peak = _peak_memory_gib(device)
+    print(
+        f"{impl:>6}: {tokens_per_s:,.0f} tokens/s | MFU {_fmt_mfu(mfu)} | peak memory {peak:.2f} GiB | "
+        f"{step_s:.3f} s/step | loss {metrics['loss']:.4f}",
+        flush=True,
+    )
+    del policy, model, optimizer
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return Result(impl, tokens_per_s, mfu, peak, step_s)
+
+
+def time_steps(policy, optimizer, batch, device, compute_dtype, num_warmup: int, num_steps: int):
+    """(seconds per measured step, metrics of the last step); peak GPU memory is reset after the warmup."""
+    for _ in range(num_warmup):
+        train_step(policy, optimizer, batch, LossConfig(), 1.0, device, compute_dtype)
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for _ in range(num_steps):
+        metrics = train_step(policy, optimizer, batch, LossConfig(), 1.0, device, compute_dtype)
+    _sync(device)
+    return (time.perf_counter() - start) / num_steps, metrics
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated GPU memory of the measured steps; on CPU the process's peak resident set size so far."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _fmt_mfu(mfu: float | None) -> str:
+    return "n/a" if mfu is None else f"{100 * mfu:.1f}%"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-0.6b", choices=["qwen3-0.6b", "tiny"])
+    parser.add_argument("--seq-len", type=int, default=16384, help="tokens per micro-batch (one per step)")
+    parser.add_argument("--num-samples", type=int, default=1, help="samples packed into the micro-batch")
+    parser.add_argument("--impl", default="custom", choices=["custom", "hf"])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--steps", type=int, default=5, help="measured steps")
+    parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
+    parser.add_argument("--ac", action=argparse.BooleanOptionalAction, default=True, help="activation checkpointing")
+    parser.add_argument("--compare-hf", action="store_true", help="also run --impl hf and print the ratio")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but torch sees no GPU; use --device cpu (with --model tiny)")
+    if args.steps < 1 or args.num_samples < 1 or args.seq_len < 2 * args.num_samples:
+        parser.error("need --steps >= 1, --num-samples >= 1 and --seq-len >= 2 x --num-samples")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(
+        f"{args.model} | seq {args.seq_len} in {args.num_samples} sample(s) | {name} | "
+        f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'} | activation checkpointing {args.ac}",
+        flush=True,
+    )
+    result = run_impl(args, args.impl, device)
+    line = f"tokens_per_s: {result.tokens_per_s:.1f} mfu: {_fmt_mfu(result.mfu)}"
+    if args.compare_hf and args.impl != "hf":
+        baseline = run_impl(args, "hf", device)
+        line += f" vs_hf: {result.tokens_per_s / baseline.tokens_per_s:.3f}"
+    print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

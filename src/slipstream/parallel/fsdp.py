@@ -1,0 +1,82 @@
+"""Apply parallelism to a model from outside: activation checkpointing per transformer block, then FSDP2
+(`fully_shard`) per block and on the root, with the mixed-precision policy of the compute dtype.
+
+Gradients are SUMMED over data-parallel ranks, not averaged: the trainer's loss is already divided by the step's
+loss-token count across all ranks, so the sum is the gradient of the step's mean loss.
+"""
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from slipstream.config.trainer import ParallelConfig
+from slipstream.parallel.mesh import fsdp_mesh_dims
+
+
+def find_blocks(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks: the shallowest nn.ModuleList named `layers` (ours: `layers`; transformers:
+    `model.layers`; either under a wrapper)."""
+    candidates = [
+        (name.count("."), name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and name.split(".")[-1] == "layers"
+    ]
+    if not candidates:
+        raise ValueError(
+            f"{type(model).__name__} has no nn.ModuleList named 'layers' holding its transformer blocks; "
+            "parallel/ shards and checkpoints per block and needs one"
+        )
+    return min(candidates, key=lambda c: c[:2])[2]
+
+
+def fsdp_param_dtype(compute_dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """Dtype FSDP all-gathers parameters in: the compute dtype on GPUs (bf16 params, fp32 gradient reduction);
+    float32 on CPU, where the trainer runs bf16 matmuls under autocast instead."""
+    return compute_dtype if device_type == "cuda" else torch.float32
+
+
+def build_mp_policy(compute_dtype: torch.dtype, device_type: str) -> MixedPrecisionPolicy:
+    """Parameters in `fsdp_param_dtype`, gradients reduced in float32. Forward inputs are never cast: they include
+    per-token sampling temperatures that must stay float32."""
+    return MixedPrecisionPolicy(
+        param_dtype=fsdp_param_dtype(compute_dtype, device_type),
+        reduce_dtype=torch.float32,
+        cast_forward_inputs=False,
+    )
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Wrap every transformer block so its activations are recomputed in backward (state-dict keys unchanged)."""
+    blocks = find_blocks(model)
+    for i, block in enumerate(blocks):
+        # No dropout in RL/SFT here, so the recomputation needs no RNG state.
+        blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def parallelize_model(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    config: ParallelConfig,
+    compute_dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """Activation checkpointing (if configured), then FSDP2 per block and on `model` (the root, which then owns the
+    remaining parameters: embeddings, final norm, LM head). Without a mesh (one rank) only checkpointing applies.
+    Returns `model`, modified in place; its parameters end up on the mesh's device."""
+    if config.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if mesh is None:
+        return model
+    fsdp_mesh = mesh[fsdp_mesh_dims(mesh)]
+    policy = build_mp_policy(compute_dtype, mesh.device_type)
+    blocks = find_blocks(model)
+    for i, block in enumerate(blocks):
+        # The last block's parameters would be all-gathered again at once for backward: keep them.
+        fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+    return model

@@ -1,0 +1,141 @@
+"""Trainer checkpoints with torch.distributed.checkpoint (DCP): model, optimizer, progress and RNG of step N in
+`output_dir/checkpoints/step_N/trainer/`, loadable at any number of ranks (DCP reshards on load).
+
+Commit protocol: every rank writes into `step_N/.trainer.tmp`; after a barrier rank 0 writes progress.json and
+the COMMITTED marker there and renames the folder to `step_N/trainer`. Only folders with the marker are loaded.
+All ranks must see output_dir on one shared filesystem.
+"""
+
+import json
+import re
+import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from slipstream.parallel.dist import RankInfo, barrier
+from slipstream.utils.fs import atomic_write_text, commit_dir
+
+CKPT_FORMAT_VERSION = 1
+COMMITTED = "COMMITTED"
+PROGRESS = "progress.json"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """What a checkpoint must agree with to be loaded (checked on load) and where training stood."""
+
+    step: int
+    model_type: str
+    impl: str
+
+
+def checkpoint_dir(output_dir: Path, step: int) -> Path:
+    return Path(output_dir) / "checkpoints" / f"step_{step}" / "trainer"
+
+
+def committed_steps(output_dir: Path) -> list[int]:
+    """Steps with a committed trainer checkpoint, ascending."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    steps = (int(m.group(1)) for p in root.iterdir() if (m := _STEP_RE.match(p.name)))
+    return sorted(s for s in steps if (checkpoint_dir(output_dir, s) / COMMITTED).is_file())
+
+
+def resolve_resume_step(output_dir: Path, resume_step: int | str | None) -> int | None:
+    """The step to resume from (None: start from scratch) for `trainer.resume_step`."""
+    if resume_step is None:
+        return None
+    steps = committed_steps(output_dir)
+    if resume_step == "latest":
+        if not steps:
+            print(f"resume_step = 'latest': no committed checkpoint under {output_dir}/checkpoints; starting at step 0")
+        return steps[-1] if steps else None
+    if resume_step not in steps:
+        raise FileNotFoundError(
+            f"trainer.resume_step = {resume_step} but {checkpoint_dir(output_dir, resume_step)} is not a committed "
+            f"checkpoint (committed steps: {steps or 'none'}); pick one of those or 'latest'"
+        )
+    return int(resume_step)
+
+
+def save_checkpoint(
+    policy: nn.Module, optimizer: torch.optim.Optimizer, output_dir: Path, meta: CheckpointMeta, info: RankInfo
+) -> Path:
+    """Collective: write and commit the checkpoint of `meta.step`; returns its folder."""
+    final_dir = checkpoint_dir(output_dir, meta.step)
+    tmp_dir = final_dir.parent / ".trainer.tmp"
+    if info.is_main:
+        if tmp_dir.exists():
+            shutil.rmtree(tmp_dir)  # left by a run that died while checkpointing
+        (tmp_dir / "rng").mkdir(parents=True)
+    barrier()
+    model_sd, optim_sd = get_state_dict(policy, optimizer)
+    with _single_process_ok():
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp_dir, no_dist=not dist.is_initialized())
+    torch.save(_rng_state(), tmp_dir / "rng" / f"rank_{info.rank}.pt")
+    barrier()
+    if info.is_main:
+        progress = {"format_version": CKPT_FORMAT_VERSION, "world_size": info.world_size, **meta.__dict__}
+        atomic_write_text(tmp_dir / PROGRESS, json.dumps(progress, indent=2) + "\n")
+        atomic_write_text(tmp_dir / COMMITTED, f"{meta.step}\n")
+        commit_dir(tmp_dir, final_dir)
+    barrier()
+    return final_dir
+
+
+def load_checkpoint(
+    policy: nn.Module, optimizer: torch.optim.Optimizer, output_dir: Path, expected: CheckpointMeta, info: RankInfo
+) -> None:
+    """Collective: load the committed checkpoint of `expected.step` into `policy` and `optimizer` (resharded to
+    this run's ranks) and restore this rank's RNG state."""
+    path = checkpoint_dir(output_dir, expected.step)
+    progress = json.loads((path / PROGRESS).read_text())
+    saved = CheckpointMeta(progress["step"], progress["model_type"], progress["impl"])
+    if progress["format_version"] != CKPT_FORMAT_VERSION or saved != expected:
+        raise ValueError(
+            f"{path} holds {saved} (format {progress['format_version']}) but this run expects {expected} (format "
+            f"{CKPT_FORMAT_VERSION}); resume with the model and trainer.model_impl the checkpoint was written with"
+        )
+    model_sd, optim_sd = get_state_dict(policy, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    with _single_process_ok():
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    rng_path = path / "rng" / f"rank_{info.rank}.pt"
+    if rng_path.is_file():
+        _set_rng_state(torch.load(rng_path, weights_only=True))
+    else:
+        # Written with fewer ranks: this rank had no RNG stream (training draws no random numbers today).
+        print(f"rank {info.rank}: {rng_path} does not exist (checkpoint of {progress['world_size']} ranks); RNG kept")
+
+
+@contextmanager
+def _single_process_ok() -> Iterator[None]:
+    """Silence DCP's warning that it runs without a process group: one rank has none, by design."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

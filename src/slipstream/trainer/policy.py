@@ -1,0 +1,46 @@
+"""The policy module the trainer shards and calls: wraps a model (ours or transformers') so that one forward
+maps a packed micro-batch to per-token log-probs and entropies, with the LM head inside that forward.
+
+FSDP2 all-gathers a module's parameters in its forward hooks; the LM head is applied to the final hidden states
+outside the model's own `forward`, so the wrapper is the FSDP root that owns the embeddings, final norm and head.
+"""
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from slipstream.trainer.logprobs import DEFAULT_CHUNK_SIZE, packed_logprobs
+
+WRAPPED_PREFIX = "model."
+"""State-dict keys of the policy are the wrapped model's keys with this prefix."""
+
+
+class Policy(nn.Module):
+    """`forward(input_ids_T, position_ids_T, temperatures_T) -> (logprobs_T, entropy_T)` (see packed_logprobs)."""
+
+    def __init__(self, model: nn.Module, chunk_size: int = DEFAULT_CHUNK_SIZE):
+        super().__init__()
+        self.model = model
+        self.chunk_size = chunk_size
+
+    def forward(self, input_ids_T: Tensor, position_ids_T: Tensor, temperatures_T: Tensor) -> tuple[Tensor, Tensor]:
+        return packed_logprobs(self.model, input_ids_T, position_ids_T, temperatures_T, self.chunk_size)
+
+
+def load_model(model_dir: Path, impl: str) -> tuple[nn.Module, str]:
+    """(float32 model on the CPU, resolved impl "custom" or "hf") for an HF model folder and `trainer.model_impl`."""
+    from transformers import AutoConfig
+
+    from slipstream.models.registry import load_pretrained, resolve_impl
+
+    resolved = resolve_impl(AutoConfig.from_pretrained(model_dir).model_type, impl)
+    return load_pretrained(model_dir, impl=resolved, dtype=torch.float32, device="cpu"), resolved
+
+
+def strip_wrapped_prefix(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Policy state-dict keys -> the wrapped model's keys."""
+    bad = [k for k in state_dict if not k.startswith(WRAPPED_PREFIX)]
+    if bad:
+        raise ValueError(f"policy state dict has keys outside the wrapped model, e.g. {bad[:3]}")
+    return {k[len(WRAPPED_PREFIX) :]: v for k, v in state_dict.items()}

@@ -1,0 +1,153 @@
+"""Build everything the trainer loop needs: ranks and process group, model (ours or transformers'), parallelism,
+optimizer, tokenizer, probe tokens, and the state of a checkpoint to resume from."""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from slipstream.config.trainer import TrainerConfig
+from slipstream.parallel.dist import RankInfo, barrier, init_distributed, rank_device, read_rank_info
+from slipstream.parallel.fsdp import fsdp_param_dtype, parallelize_model
+from slipstream.parallel.mesh import build_mesh, resolve_parallel_dims
+from slipstream.trainer.ckpt import CheckpointMeta, load_checkpoint, resolve_resume_step
+from slipstream.trainer.policy import Policy, load_model
+from slipstream.trainer.weights import build_probe_token_ids
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Trainer:
+    """Everything the loop needs, built once by setup_trainer."""
+
+    model: nn.Module
+    """The model (ours or transformers'); its blocks are FSDP-sharded with several ranks."""
+    policy: nn.Module
+    """Policy(model): what train_step calls and the optimizer updates (the FSDP root)."""
+    tokenizer: "PreTrainedTokenizerBase"
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    info: RankInfo
+    probe_token_ids: list[int]
+    compute_dtype: torch.dtype
+    """config.model.dtype: forward/backward compute dtype and the dtype of the published weights."""
+    autocast_dtype: torch.dtype
+    """Dtype of autocast around the forward (float32: none): the compute dtype unless FSDP already all-gathers the
+    parameters in it (GPUs with several ranks)."""
+    impl: str
+    """Resolved model implementation: "custom" or "hf"."""
+    hf_config: Any
+    """transformers config of the model folder."""
+    model_dir: Path
+    """The HF folder the initial weights came from."""
+    start_step: int = 0
+    """Last step already trained (from the checkpoint resumed from); the loop starts at start_step + 1."""
+    owns_process_group: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    def checkpoint_meta(self, step: int) -> CheckpointMeta:
+        return CheckpointMeta(step=step, model_type=self.hf_config.model_type, impl=self.impl)
+
+
+def setup_trainer(config: TrainerConfig) -> Trainer:
+    """Seed, threads, ranks, device, model, parallelism, AdamW, tokenizer, probe tokens, resume.
+
+    The model is always loaded in float32: those are the master weights AdamW updates (a bf16 update of size
+    lr ~ 1e-6 would round away). config.model.dtype sets the compute dtype and the published dtype.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    info = read_rank_info()
+    dims = resolve_parallel_dims(config.parallel, info.world_size)  # fail on a bad mesh before any heavy work
+    torch.manual_seed(config.seed)
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    device = rank_device(select_device(config.device).type, info)
+    owns_process_group = init_distributed(info, device)
+    hf_logging.disable_progress_bar()
+
+    model_dir = resolve_model_once(config.model.name, info)
+    model, impl = load_model(model_dir, config.model_impl)
+    compute_dtype = DTYPES[config.model.dtype]
+    mesh = build_mesh(dims, device.type) if info.world_size > 1 else None
+    policy = parallelize_model(Policy(model), mesh, config.parallel, compute_dtype)
+    if mesh is None:
+        policy.to(device)
+    autocast_dtype = compute_dtype
+    if mesh is not None and fsdp_param_dtype(compute_dtype, device.type) == compute_dtype:
+        autocast_dtype = torch.float32
+    optimizer = torch.optim.AdamW(
+        policy.parameters(),
+        lr=config.optim.lr,
+        betas=config.optim.betas,
+        eps=config.optim.eps,
+        weight_decay=config.optim.weight_decay,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    trainer = Trainer(
+        model=model,
+        policy=policy,
+        tokenizer=tokenizer,
+        optimizer=optimizer,
+        device=device,
+        info=info,
+        probe_token_ids=build_probe_token_ids(tokenizer, config.probe.text),
+        compute_dtype=compute_dtype,
+        autocast_dtype=autocast_dtype,
+        impl=impl,
+        hf_config=AutoConfig.from_pretrained(model_dir),
+        model_dir=model_dir,
+        owns_process_group=owns_process_group,
+    )
+    maybe_resume(trainer, config)
+    return trainer
+
+
+def maybe_resume(trainer: Trainer, config: TrainerConfig) -> None:
+    """Load the checkpoint `config.resume_step` selects (if any) and set trainer.start_step."""
+    step = resolve_resume_step(config.output_dir, config.resume_step)
+    if step is None:
+        return
+    load_checkpoint(trainer.policy, trainer.optimizer, config.output_dir, trainer.checkpoint_meta(step), trainer.info)
+    trainer.start_step = step
+    if trainer.info.is_main:
+        print(f"resumed from {config.output_dir}/checkpoints/step_{step} at {trainer.world_size} rank(s)", flush=True)
+
+
+def teardown_trainer(trainer: Trainer) -> None:
+    """Leave the process group if setup_trainer created it."""
+    if trainer.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def resolve_model_once(name: str, info: RankInfo) -> Path:
+    """The model folder for `name`; rank 0 resolves first, so an alias is imported into the cache only once."""
+    from slipstream.models.hub import resolve_model
+
+    path = resolve_model(name) if info.is_main else None
+    barrier()
+    return path if path is not None else resolve_model(name)
+
+
+def select_device(device: str) -> torch.device:
+    """`auto` picks CUDA when available; an explicit `cuda` without a GPU is an error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device = 'cuda' but torch sees no CUDA device; set trainer.device = 'cpu'")
+    return torch.device(device)

@@ -1,0 +1,137 @@
+"""Run a function on N CPU ranks (gloo, torch.multiprocessing spawn) as torchrun would, and build test batches."""
+
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from slipstream.transport.rollouts import MicroBatch, TrainingBatch, write_batch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    fn(*args)
+
+
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> None:
+    """Run `fn(*args)` in `world_size` fresh processes with torchrun's environment variables; raise if one fails.
+    `fn` must be importable (defined at module level)."""
+    mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+
+
+def micro_batch(lengths: list[tuple[int, int]], seed: int, vocab_size: int = 500) -> MicroBatch:
+    """Packed samples of (prompt, completion) lengths with advantages, temperatures and noisy inference log-probs."""
+    g = torch.Generator().manual_seed(seed)
+    ids, pos, mask, adv, temps = [], [], [], [], []
+    for i, (num_prompt, num_completion) in enumerate(lengths):
+        n = num_prompt + num_completion
+        ids += torch.randint(3, vocab_size, (n,), generator=g).tolist()
+        pos += list(range(n))
+        mask += [False] * num_prompt + [True] * num_completion
+        adv += [0.0] * num_prompt + [(-1.0) ** (i + seed) * (0.5 + i)] * num_completion
+        temps += [1.0] * num_prompt + [0.7 + 0.2 * i] * num_completion
+    lq = [-(2.0 + 3.0 * torch.rand(1, generator=g).item()) if m else 0.0 for m in mask]
+    return MicroBatch(ids, pos, mask, adv, lq, temps)
+
+
+def step_micro_batches(step: int, world_size: int) -> list[list[MicroBatch]]:
+    """Micro-batches of each rank for `step`; rank 0 gets one more than the others (exercises padding passes)."""
+    per_rank = []
+    for rank in range(world_size):
+        count = 2 if rank == 0 else 1
+        per_rank.append(
+            [micro_batch([(3, 5 + j), (2, 4 + rank)], seed=100 * step + 10 * rank + j) for j in range(count)]
+        )
+    return per_rank
+
+
+def write_step_batches(output_dir: Path, num_steps: int, world_size: int, as_single_rank: bool = False) -> None:
+    """Write rollouts/step_N/rank_R for steps 1..num_steps, split over `world_size` ranks, or (as_single_rank) all
+    micro-batches of those ranks in one rank-0 file with the same loss normaliser."""
+    for step in range(1, num_steps + 1):
+        per_rank = step_micro_batches(step, world_size)
+        num_loss = sum(sum(mb.loss_mask) for mbs in per_rank for mb in mbs)
+        if as_single_rank:
+            per_rank = [[mb for mbs in per_rank for mb in mbs]]
+        for rank, mbs in enumerate(per_rank):
+            write_batch(output_dir, TrainingBatch(step, rank, num_loss, mbs, metrics={"reward/mean": 0.5}))
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
+
+
+def _plain_name(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def train_and_record(config: Any, result_path: Path, num_steps: int) -> None:
+    """Set up the trainer (any number of ranks), train `num_steps` steps on the rank's batch files, and (rank 0)
+    save {"grads": full gradients before the first optimizer step, "metrics": per step, "state": full state dict}."""
+    from slipstream.trainer.setup import setup_trainer, teardown_trainer
+    from slipstream.trainer.step import train_step
+    from slipstream.trainer.weights import gather_full_state_dict
+    from slipstream.transport.rollouts import batch_path, read_batch
+
+    trainer = setup_trainer(config)
+    grads: dict[str, torch.Tensor] = {}
+
+    def record_first_grads(optimizer, args, kwargs):
+        if not grads:  # full_tensor() is a collective: every rank records
+            grads.update({_plain_name(n): _full(p.grad) for n, p in trainer.policy.named_parameters()})
+
+    trainer.optimizer.register_step_pre_hook(record_first_grads)
+    metrics = []
+    for step in range(1, num_steps + 1):
+        batch = read_batch(batch_path(config.output_dir, step, trainer.rank))
+        metrics.append(
+            train_step(
+                trainer.policy,
+                trainer.optimizer,
+                batch,
+                config.loss,
+                config.optim.max_grad_norm,
+                trainer.device,
+                trainer.autocast_dtype,
+            )
+        )
+    if trainer.world_size > 1:
+        state = gather_full_state_dict(trainer.policy)
+    else:
+        state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    if trainer.info.is_main:
+        torch.save({"grads": grads, "metrics": metrics, "state": state}, result_path)
+    teardown_trainer(trainer)
+
+
+def run_trainers(configs: list[Any]) -> None:
+    """Call run_trainer with each config in turn, in one process group (created here, as torchrun's env says)."""
+    import torch.distributed as dist
+
+    from slipstream.trainer.rl import run_trainer
+
+    dist.init_process_group("gloo")
+    try:
+        for config in configs:
+            run_trainer(config)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,151 @@
+"""parallel/ on one process: mesh sizing and its errors, block discovery, activation checkpointing (same values and
+gradients, same state-dict keys), gradient clipping; and single-rank checkpoints (commit marker, resume rules)."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from slipstream.config.trainer import ParallelConfig
+from slipstream.models.registry import load_pretrained
+from slipstream.parallel.dist import RankInfo
+from slipstream.parallel.fsdp import apply_activation_checkpointing, find_blocks
+from slipstream.parallel.grad import clip_grad_norm
+from slipstream.parallel.mesh import resolve_parallel_dims
+from slipstream.trainer.ckpt import (
+    COMMITTED,
+    PROGRESS,
+    CheckpointMeta,
+    checkpoint_dir,
+    committed_steps,
+    load_checkpoint,
+    resolve_resume_step,
+    save_checkpoint,
+)
+from slipstream.trainer.policy import Policy
+
+ONE_RANK = RankInfo(rank=0, world_size=1, local_rank=0)
+
+
+def test_mesh_dims_default_to_the_ranks_left():
+    dims = resolve_parallel_dims(ParallelConfig(), world_size=8)
+    assert (dims.dp_replicate, dims.dp_shard, dims.cp, dims.ep) == (1, 8, 1, 1)
+    dims = resolve_parallel_dims(ParallelConfig(dp_replicate=2), world_size=8)
+    assert (dims.dp_replicate, dims.dp_shard) == (2, 4)
+    assert resolve_parallel_dims(ParallelConfig(dp_shard=1), world_size=1).dp_shard == 1
+
+
+@pytest.mark.parametrize(
+    ("config", "world_size", "match"),
+    [
+        (
+            ParallelConfig(dp_shard=3),
+            4,
+            r"dp_replicate \(1\) x dp_shard \(3\) x cp \(1\) = 3 ranks, but WORLD_SIZE is 4",
+        ),
+        (ParallelConfig(dp_replicate=3), 4, r"= 3 ranks, but WORLD_SIZE is 4"),
+        (ParallelConfig(ep=3), 4, r"ep \(3\) must divide dp_shard x cp"),
+    ],
+)
+def test_mesh_dims_errors_say_what_to_change(config, world_size, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_parallel_dims(config, world_size)
+
+
+@pytest.mark.parametrize("name", ["ep", "cp"])
+def test_ep_and_cp_are_rejected_until_implemented(name):
+    with pytest.raises(NotImplementedError, match=f"{name.upper()} is not implemented yet"):
+        resolve_parallel_dims(ParallelConfig(**{name: 2}), world_size=2)
+
+
+def test_find_blocks_in_ours_transformers_and_wrapped(tiny_qwen3_dir):
+    ours = load_pretrained(tiny_qwen3_dir, impl="custom")
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir)
+    assert find_blocks(ours) is ours.layers
+    assert find_blocks(hf) is hf.model.layers
+    assert find_blocks(Policy(ours)) is ours.layers
+    with pytest.raises(ValueError, match="no nn.ModuleList named 'layers'"):
+        find_blocks(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("impl", ["custom", "hf"])
+def test_activation_checkpointing_keeps_values_grads_and_keys(tiny_qwen3_dir, impl):
+    input_ids_T, position_ids_T = torch.randint(3, 500, (12,)), torch.tensor([*range(5), *range(7)])
+    temperatures_T = torch.full((12,), 0.8)
+    results = []
+    for checkpointed in (False, True):
+        policy = Policy(load_pretrained(tiny_qwen3_dir, impl=impl))
+        if checkpointed:
+            apply_activation_checkpointing(policy)
+        logprobs_T, _ = policy(input_ids_T, position_ids_T, temperatures_T)
+        logprobs_T.sum().backward()
+        grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in policy.named_parameters()}
+        results.append((list(policy.state_dict()), logprobs_T.detach(), grads))
+    (keys, lp, grads), (keys_ac, lp_ac, grads_ac) = results
+    assert keys == keys_ac and all("checkpoint" not in k for k in keys_ac)
+    torch.testing.assert_close(lp_ac, lp, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_ac[name], grad, rtol=0, atol=1e-7, msg=name)
+
+
+def test_clip_grad_norm_matches_torch():
+    params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, r in zip(params, reference, strict=True):
+        p.grad = torch.randn_like(p) * 4
+        r.grad = p.grad.clone()
+    expected = torch.nn.utils.clip_grad_norm_(reference, 1.0)
+    torch.testing.assert_close(clip_grad_norm(params, 1.0), expected)
+    assert expected > 1.0
+    for p, r in zip(params, reference, strict=True):
+        torch.testing.assert_close(p.grad, r.grad)
+    assert torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params])) == pytest.approx(1.0, rel=1e-5)
+
+
+def _policy_and_optimizer(model_dir):
+    policy = Policy(load_pretrained(model_dir, impl="custom"))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    return policy, optimizer
+
+
+def _one_step(policy, optimizer, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids_T, pos_T = torch.randint(3, 500, (10,), generator=g), torch.arange(10)
+    logprobs_T, _ = policy(ids_T, pos_T, torch.ones(10))
+    logprobs_T.sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_checkpoint_round_trip_commit_and_resume_rules(tiny_qwen3_dir, tmp_path):
+    meta = CheckpointMeta(step=3, model_type="qwen3", impl="custom")
+    assert resolve_resume_step(tmp_path, "latest") is None and resolve_resume_step(tmp_path, None) is None
+    policy, optimizer = _policy_and_optimizer(tiny_qwen3_dir)
+    _one_step(policy, optimizer, seed=0)
+    stale = checkpoint_dir(tmp_path, 3).parent / ".trainer.tmp"
+    stale.mkdir(parents=True)
+    (stale / "junk").write_text("left by a crash")
+    torch.manual_seed(123)
+    path = save_checkpoint(policy, optimizer, tmp_path, meta, ONE_RANK)
+    rng_after_save = torch.get_rng_state()
+    assert path == checkpoint_dir(tmp_path, 3) and (path / COMMITTED).is_file() and not stale.exists()
+    assert json.loads((path / PROGRESS).read_text())["world_size"] == 1
+    (tmp_path / "checkpoints" / "step_5" / "trainer").mkdir(parents=True)  # uncommitted: ignored
+    assert committed_steps(tmp_path) == [3] and resolve_resume_step(tmp_path, "latest") == 3
+    with pytest.raises(FileNotFoundError, match=r"resume_step = 5 .*\(committed steps: \[3\]\)"):
+        resolve_resume_step(tmp_path, 5)
+
+    fresh, fresh_optimizer = _policy_and_optimizer(tiny_qwen3_dir)
+    torch.manual_seed(999)
+    load_checkpoint(fresh, fresh_optimizer, tmp_path, meta, ONE_RANK)
+    assert torch.equal(torch.get_rng_state(), rng_after_save)
+    for (name, p), q in zip(policy.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+    _one_step(policy, optimizer, seed=1)
+    _one_step(fresh, fresh_optimizer, seed=1)
+    for (name, p), q in zip(policy.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+
+    with pytest.raises(ValueError, match="impl='hf'.*resume with the model and trainer.model_impl"):
+        load_checkpoint(fresh, fresh_optimizer, tmp_path, CheckpointMeta(3, "qwen3", "hf"), ONE_RANK)
