@@ -160,6 +160,10 @@ class TrainerConfig(BaseConfig):
     batch_timeout_s: float = Field(3600.0, gt=0.0)
     """How long to wait for the orchestrator's batch of a step."""
 
+    max_nonfinite_steps: int = Field(3, ge=1)
+    """A step whose gradient norm is NaN/inf is skipped (weights unchanged, still published so the run keeps its
+    cadence) and counted; after this many such steps in a row the trainer stops with an error."""
+
     @field_validator("resume_step")
     @classmethod
     def _check_resume_step(cls, value: int | str | None) -> int | str | None:

@@ -20,6 +20,7 @@ def run_trainer(config: TrainerConfig) -> None:
     trainer = setup_trainer(config)
     try:
         writer = MetricsWriter(config.output_dir) if trainer.info.is_main else None
+        nonfinite = NonFiniteGuard(config.max_nonfinite_steps)
         for step in range(trainer.start_step + 1, config.max_steps + 1):
             t_start = time.perf_counter()
             batch = wait_for_batch(config.output_dir, step, trainer.rank, config.batch_timeout_s)
@@ -35,6 +36,7 @@ def run_trainer(config: TrainerConfig) -> None:
                 trainer.autocast_dtype,
             )
             t_train = time.perf_counter()
+            metrics["nonfinite/total"] = nonfinite.update(step, bool(metrics["nonfinite/skipped"]))
             publish_step_weights(trainer, config, step)
             t_publish = time.perf_counter()
             maybe_checkpoint(trainer, config, step)
@@ -54,6 +56,28 @@ def run_trainer(config: TrainerConfig) -> None:
         barrier()
     finally:
         teardown_trainer(trainer)
+
+
+class NonFiniteGuard:
+    """Counts skipped (NaN/inf) steps; raises once `limit` of them come in a row."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.in_a_row, self.total = limit, 0, 0
+
+    def update(self, step: int, skipped: bool) -> int:
+        if not skipped:
+            self.in_a_row = 0
+            return self.total
+        self.in_a_row += 1
+        self.total += 1
+        print(f"[trainer] step {step}: NaN/inf gradient norm, optimizer step skipped ({self.in_a_row} in a row)")
+        if self.in_a_row >= self.limit:
+            raise FloatingPointError(
+                f"{self.in_a_row} steps in a row (up to step {step}) had NaN/inf gradients and were skipped "
+                f"(trainer.max_nonfinite_steps = {self.limit}); lower trainer.optim.lr or check the batches "
+                "(advantages, inference_logprobs) for inf/nan"
+            )
+        return self.total
 
 
 def publish_step_weights(trainer: Trainer, config: TrainerConfig, step: int) -> None:

@@ -64,22 +64,21 @@ def train_step(
         entropy_sum += torch.where(packed.loss_mask_T, entropy_T, 0.0).sum()
         num_tokens += packed.num_tokens
 
-    grad_norm = clip_and_step(policy, optimizer, max_grad_norm, batch.step)
-    return summarize_step(total, entropy_sum, grad_norm, optimizer, batch, num_tokens)
+    grad_norm, skipped = clip_and_step(policy, optimizer, max_grad_norm)
+    metrics = summarize_step(total, entropy_sum, grad_norm, optimizer, batch, num_tokens)
+    return metrics | {"nonfinite/skipped": float(skipped)}
 
 
-def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float, step: int) -> Tensor:
-    """Clip the global gradient norm (over all ranks' shards), step, zero grads; return the norm before clipping."""
+def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> tuple[Tensor, bool]:
+    """Clip the global gradient norm (over all ranks' shards), step, zero grads; return the norm before clipping
+    and whether the step was skipped. A NaN/inf norm (the same on every rank) skips the optimizer step, so one
+    bad batch cannot poison the weights or the Adam moments."""
     grad_norm = clip_grad_norm(model.parameters(), max_grad_norm)
-    if not torch.isfinite(grad_norm):
-        optimizer.zero_grad(set_to_none=True)
-        raise FloatingPointError(
-            f"step {step}: gradient norm is {grad_norm.item()}; the weights were not updated. "
-            "Lower trainer.optim.lr or check the batch (advantages, inference_logprobs) for inf/nan"
-        )
-    optimizer.step()
+    skipped = not bool(torch.isfinite(grad_norm))
+    if not skipped:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm
+    return grad_norm, skipped
 
 
 def summarize_step(
