@@ -1,7 +1,11 @@
 """`slipstream <command>`: parse the config, import the process lazily, run it. `slipstream --help` is instant."""
 
+import errno
 import sys
 import textwrap
+
+# out of space / quota, read-only or forbidden: the user must fix the output directory, not the code
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
 USAGE = """usage: slipstream <command> [-c FILE.toml]... [--section.key VALUE]...
 
@@ -74,7 +78,18 @@ def _run_config_command(command: str, rest: list[str]) -> int:
             print(f"error: {line}", file=sys.stderr)
         return 2
     run = getattr(importlib.import_module(run_module), run_name)
-    result = run(config)
+    try:
+        result = run(config)
+    except OSError as e:
+        if e.errno not in _STORAGE_ERRNOS:
+            raise
+        where = f" {e.filename}" if e.filename else ""
+        print(
+            f"error: cannot write{where}: {e.strerror}; free space or fix permissions of the output directory "
+            "(completed steps and committed checkpoints are intact: writes are atomic)",
+            file=sys.stderr,
+        )
+        return 1
     return int(result or 0)
 
 

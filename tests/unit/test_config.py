@@ -129,3 +129,26 @@ def test_help_is_fast_and_lists_options():
         text=True,
     )
     assert proc.stdout.strip().endswith("False")
+
+
+def test_storage_errors_become_one_clear_line(monkeypatch, capsys, tmp_path):
+    """Disk full / read-only output: the process exits 1 with the path and the fix, not a traceback."""
+    import errno
+    import types
+
+    import slipstream.cli as cli
+
+    def full_disk(config):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "weights" / "step_3"))
+
+    fake = types.ModuleType("fake_run")
+    fake.run = full_disk
+    monkeypatch.setitem(sys.modules, "fake_run", fake)
+    monkeypatch.setitem(
+        cli.CONFIG_COMMANDS, "trainer", ("slipstream.config.trainer", "TrainerConfig", "fake_run", "run")
+    )
+    code = cli.main(["trainer", "--model.name", "m", "--max_steps", "1", "--output_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.startswith(f"error: cannot write {tmp_path / 'weights' / 'step_3'}: No space left on device; free space")
+    assert "Traceback" not in err
