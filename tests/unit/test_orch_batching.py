@@ -21,7 +21,8 @@ def make_rollout(idx: int, num_prompt: int, num_completion: int, advantage: floa
         completion_token_ids=[base + num_prompt + i for i in range(num_completion)],
         completion_logprobs=[-0.01 * (i + 1) - idx for i in range(num_completion)],
         completion_text="",
-        policy_version=0,
+        token_versions=[0] * num_completion,
+        request_version=0,
         advantage=advantage,
     )
 

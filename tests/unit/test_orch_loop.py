@@ -1,8 +1,9 @@
-"""run_orchestrator against a fake OpenAI-compatible vLLM server and a fake trainer publishing weights.
+"""run_orchestrator against a fake vLLM server (streaming chat in vLLM's chunk format) and a fake trainer.
 
 Checks batch files, policy versions per batch (async lag), the weight-load call sequence and weight checks.
 """
 
+import asyncio
 import json
 import socket
 import threading
@@ -14,7 +15,7 @@ import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from slipstream.config.orchestrator import OrchestratorConfig
@@ -34,15 +35,22 @@ def fake_logprob(version: int, token: int) -> float:
 
 
 class FakeVLLM:
-    """Minimal vLLM stand-in: chat with token ids/logprobs, prompt scoring, and the dev-mode weight endpoints."""
+    """Minimal vLLM stand-in: streamed chat with token ids/logprobs (vLLM 0.32's chunks), prompt scoring, /metrics
+    and the dev-mode weight endpoints. `token_delay_s` spaces the streamed tokens; pause(keep) freezes them."""
 
-    def __init__(self, ignore_loads: bool = False) -> None:
+    def __init__(self, ignore_loads: bool = False, token_delay_s: float = 0.0) -> None:
         self.version = 0
         self.paused = False
         self.ignore_loads = ignore_loads
+        self.token_delay_s = token_delay_s
         self.calls: list[str] = []
+        self.true_versions: dict[str, list[list[int]]] = {}
+        """Request id -> per choice, the version that produced each token (what stamping should recover)."""
+        self.closed_streams: list[str] = []
+        """Request ids whose stream ended before the last chunk (client disconnect)."""
         routes = [
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
             Route("/pause", self.pause, methods=["POST"]),
             Route("/resume", self.resume, methods=["POST"]),
             Route("/reset_prefix_cache", self.reset, methods=["POST"]),
@@ -54,6 +62,11 @@ class FakeVLLM:
 
     async def health(self, request: Request) -> JSONResponse:
         return JSONResponse({})
+
+    async def metrics(self, request: Request) -> PlainTextResponse:
+        labels = '{engine="0",model_name="fake-model"}'
+        text = f"vllm:num_requests_waiting{labels} 0.0\nvllm:num_preemptions_total{labels} 0.0\n"
+        return PlainTextResponse(text)
 
     async def pause(self, request: Request) -> JSONResponse:
         self.calls.append(f"pause:{request.query_params.get('mode')}")
@@ -79,24 +92,52 @@ class FakeVLLM:
             self.version = int(path.name.removeprefix("step_"))
         return JSONResponse({"results": [True]})
 
-    async def chat(self, request: Request) -> JSONResponse:
+    async def chat(self, request: Request) -> StreamingResponse | JSONResponse:
         body = await request.json()
-        fields = (body["model"], body["logprobs"], body["return_token_ids"], body["top_logprobs"])
-        if fields != (MODEL, True, True, 0) or "max_completion_tokens" not in body:
+        fields = (body["model"], body["logprobs"], body["return_token_ids"], body["top_logprobs"], body["stream"])
+        if fields != (MODEL, True, True, 0, True) or not body["stream_options"]["include_usage"]:
             return JSONResponse({"error": f"bad request {body}"}, status_code=400)
+        if "max_completion_tokens" not in body:
+            return JSONResponse({"error": "no max_completion_tokens"}, status_code=400)
+        request_id = f"chatcmpl-{len(self.calls)}"
         self.calls.append(f"chat:{body['cache_salt']}")
         text = body["messages"][-1]["content"]
         prompt_ids = list((body["messages"][0]["content"] + text).encode())
         answers = [f"<reversed_text>{text[::-1]}</reversed_text>", text, "no idea"]
-        choices = []
-        for i in range(body["n"]):
-            answer = answers[i % len(answers)]
-            ids = list(answer.encode())[: body["max_completion_tokens"]]
-            content = [{"token": chr(t), "logprob": fake_logprob(self.version, t), "top_logprobs": []} for t in ids]
-            message = {"role": "assistant", "content": answer}
-            choice = {"index": i, "message": message, "logprobs": {"content": content}, "finish_reason": "stop"}
-            choices.append({**choice, "token_ids": ids})
-        return JSONResponse({"model": MODEL, "choices": choices, "prompt_token_ids": prompt_ids})
+        choices = [list(answers[i % len(answers)].encode())[: body["max_completion_tokens"]] for i in range(body["n"])]
+        return StreamingResponse(self._stream(request_id, prompt_ids, choices), media_type="text/event-stream")
+
+    async def _stream(self, request_id: str, prompt_ids: list[int], choices: list[list[int]]):
+        """vLLM's chunk sequence: a role chunk per choice, one chunk per token (choices interleaved), usage, DONE."""
+        true = self.true_versions[request_id] = [[] for _ in choices]
+
+        def chunk(**fields) -> str:
+            return f"data: {json.dumps({'id': request_id, 'object': 'chat.completion.chunk', **fields})}\n\n"
+
+        finished = False
+        try:
+            for i in range(len(choices)):
+                role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+                yield chunk(choices=[role], prompt_token_ids=prompt_ids)
+            for t in range(max(len(ids) for ids in choices)):
+                for i, ids in enumerate(choices):
+                    if t >= len(ids):
+                        continue
+                    await asyncio.sleep(self.token_delay_s)
+                    while self.paused:  # pause(keep): decode frozen
+                        await asyncio.sleep(0.005)
+                    true[i].append(self.version)
+                    entry = {"token": chr(ids[t]), "logprob": fake_logprob(self.version, ids[t]), "top_logprobs": []}
+                    choice = {"index": i, "delta": {"content": chr(ids[t])}, "logprobs": {"content": [entry]}}
+                    choice |= {"finish_reason": "stop" if t == len(ids) - 1 else None, "token_ids": [ids[t]]}
+                    yield chunk(choices=[choice])
+            usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": sum(map(len, choices))}
+            yield chunk(choices=[], usage=usage)
+            yield "data: [DONE]\n\n"
+            finished = True
+        finally:
+            if not finished:
+                self.closed_streams.append(request_id)
 
     async def completions(self, request: Request) -> JSONResponse:
         body = await request.json()
@@ -189,16 +230,22 @@ def step_metrics(output_dir: Path, steps: int) -> list[dict]:
     return [read_batch(batch_path(output_dir, n, 0)).metrics for n in range(1, steps + 1)]
 
 
+def load_calls(step: int) -> list[str]:
+    """One in-flight weight update: pause(keep) -> load -> reset cache -> resume -> verify."""
+    return ["pause:keep", f"load:step_{step}", "reset_prefix_cache", "resume", "score"]
+
+
 @pytest.mark.parametrize(
-    ("async_level", "publish_after", "versions", "lags", "loads"),
+    ("async_level", "publish_after", "versions", "lags"),
     [
-        (1, 1, [0, 0, 1], [0, 1, 1], ["step_1", "step_3"]),  # trainer step n overlaps generation of batch n+1
-        (0, 0, [0, 1, 2], [0, 0, 0], ["step_1", "step_2", "step_3"]),  # synchronous
+        (1, 1, [0, 0, 1], [0, 1, 1]),  # trainer step n overlaps generation of batch n+1
+        (0, 0, [0, 1, 2], [0, 0, 0]),  # synchronous
     ],
 )
-def test_loop_versions_and_weight_loads(tmp_path, async_level, publish_after, versions, lags, loads):
+def test_loop_versions_and_weight_loads(tmp_path, async_level, publish_after, versions, lags):
     server = FakeVLLM()
-    config = make_config(tmp_path, "", max_async_level=async_level)
+    # No spare groups, so every group is sent for a known batch (spare groups are covered in test_async_pipeline).
+    config = make_config(tmp_path, "", max_async_level=async_level, spare_batches=0)
     run_with_trainer(config, server, publish_after)
 
     for n in range(1, 4):
@@ -209,23 +256,24 @@ def test_loop_versions_and_weight_loads(tmp_path, async_level, publish_after, ve
         }
     metrics = step_metrics(tmp_path, 3)
     assert [m["policy/version"] for m in metrics] == versions
+    assert [m["policy/version_oldest"] for m in metrics] == versions  # instant replies: one version per batch
     assert [m["policy/lag_max"] for m in metrics] == lags
     assert all(0.0 < m["reward/mean"] < 1.0 and m["reward/max"] == 1.0 for m in metrics)
     assert all(m["batch/zero_adv_groups"] == 0 for m in metrics)
+    assert all(m["pipeline/cancelled_groups"] == m["pipeline/dropped_groups"] == 0 for m in metrics)
 
-    # Each load: pause(keep) -> load -> reset cache -> resume -> verify, between the chats of two versions.
-    expected: list[str] = []
-    for i, v in enumerate(versions):
-        if i and v != versions[i - 1]:
-            expected += ["pause:keep", f"load:step_{v}", "reset_prefix_cache", "resume", "score"]
-        expected += [f"chat:policy-{v}"] * 2
-    # after the last batch the run ends serving (and having verified) the final policy
-    expected += ["pause:keep", "load:step_3", "reset_prefix_cache", "resume", "score"]
+    # Chats of a version are sent only once its load is verified; the run ends serving the final policy. The
+    # trainer publishes its last two steps back to back, so the orchestrator may load step 2 before step 3.
+    loads = [int(c.removeprefix("load:step_")) for c in server.calls if c.startswith("load:")]
+    expected = ["chat:policy-0"] * 2 * (1 + async_level)
+    for v in sorted(set(versions) - {0}):
+        expected += load_calls(v) + [f"chat:policy-{v}"] * 2 * versions.count(v)
+    expected += [call for v in loads[len(set(versions)) - 1 :] for call in load_calls(v)]
     assert server.calls == expected
-    assert [c for c in server.calls if c.startswith("load:")] == [f"load:{s}" for s in loads]
+    assert loads in ([1, 3], [1, 2, 3]) if async_level else loads == [1, 2, 3]
 
     checks = [json.loads(line) for line in (tmp_path / WEIGHT_CHECKS_FILE).read_text().splitlines()]
-    assert [c["step"] for c in checks] == [int(s.removeprefix("step_")) for s in loads]
+    assert [c["step"] for c in checks] == loads
     assert all(c["passed"] and c["max_abs_diff"] < 1e-9 and c["num_tokens"] == len(PROBE_TOKENS) - 1 for c in checks)
     loaded_steps = [i for i in range(1, 3) if versions[i] != versions[i - 1]]
     assert all("weight_sync/max_abs_diff" in metrics[i] for i in loaded_steps)
@@ -267,3 +315,10 @@ def test_batch_files_decode_as_wire_type(tmp_path):
     raw = batch_path(tmp_path, 1, 0).read_bytes()
     decoded = msgspec.msgpack.decode(raw)
     assert decoded["step"] == 1 and decoded["rank"] == 0 and decoded["metrics"]["reward/max"] == 1.0
+
+
+def test_weights_of_another_run_are_refused(tmp_path):
+    publish_weights(tmp_path, 3)  # left in output_dir by an earlier run: no batch of this run exists yet
+    with ServerThread(FakeVLLM().app) as srv, pytest.raises(RuntimeError, match="weights of another run"):
+        run_orchestrator(make_config(tmp_path, srv.url))
+    assert not batch_path(tmp_path, 2, 0).exists()

@@ -21,7 +21,7 @@ def chat_reply(token_ids, logprobs, prompt_ids=(1, 2, 3)):
 def test_chat_reply_is_taken_verbatim():
     (r,) = parse_chat_response(chat_reply([7, 8], [-0.5, -1.5]), TASK, 1, policy_version=4)
     assert (r.prompt_token_ids, r.completion_token_ids, r.completion_logprobs) == ([1, 2, 3], [7, 8], [-0.5, -1.5])
-    assert (r.completion_text, r.policy_version) == ("cba", 4)
+    assert (r.completion_text, r.request_version, r.token_versions) == ("cba", 4, [4, 4])
 
 
 @pytest.mark.parametrize(

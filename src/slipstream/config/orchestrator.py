@@ -1,7 +1,7 @@
-"""Config of the orchestrator: rollouts, rewards, advantages, batching and policy-version bookkeeping."""
+"""Config of the orchestrator: rollouts, rewards, advantages, batching, staleness and in-flight concurrency."""
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -53,6 +53,50 @@ class WeightCheckConfig(BaseConfig):
     """Stop the run when a check fails: a frozen or corrupted policy must not train silently."""
 
 
+class ConcurrencyConfig(BaseConfig):
+    """How many completions (sequences; a group of `group_size` is one request) the orchestrator keeps in flight.
+
+    adaptive: additive-increase / multiplicative-decrease on vLLM's `/metrics`. While the limit is what holds
+    rollouts back and the server is healthy, the limit doubles per poll until the first back-off (slow start),
+    then grows by `increase`. It is multiplied by `backoff_factor` when `vllm:num_requests_waiting` > 0 on
+    `waiting_polls` consecutive polls (requests queue in the server) or when `vllm:num_preemptions_total`
+    increased (the KV cache is overcommitted). Polls during a weight update are skipped.
+    """
+
+    mode: Literal["fixed", "adaptive"] = "adaptive"
+    """fixed: always allow `max` completions in flight. adaptive: start at `min`; grow while the limit holds rollouts
+    back and the server shows no queueing (doubling until the first back-off, then + `increase` per poll); multiply
+    by `backoff_factor` on queueing or preemption."""
+
+    min: int = Field(8, ge=1)
+    """Adaptive: fewest completions allowed in flight (and the starting limit). A group larger than the limit is
+    still sent, alone."""
+
+    max: int = Field(256, ge=1)
+    """Most completions in flight (the fixed cap in fixed mode). Keep it near the server's max_num_seqs."""
+
+    increase: int = Field(8, ge=1)
+    """Adaptive: completions added per healthy poll after the first back-off."""
+
+    backoff_factor: float = Field(0.5, gt=0.0, lt=1.0)
+    """Adaptive: the limit is multiplied by this on queueing or preemption (never below `min`)."""
+
+    poll_interval_s: float = Field(1.0, gt=0.0)
+    """Adaptive: seconds between two reads of the server's /metrics."""
+
+    waiting_polls: int = Field(2, ge=1)
+    """Adaptive: consecutive polls with waiting requests that trigger a back-off (one poll can catch requests
+    that arrived between two scheduler steps)."""
+
+    @model_validator(mode="after")
+    def _check_range(self) -> "ConcurrencyConfig":
+        if self.min > self.max:
+            raise ValueError(
+                f"concurrency.min ({self.min}) is above concurrency.max ({self.max}); lower min or raise max"
+            )
+        return self
+
+
 class OrchestratorConfig(BaseConfig):
     """Drives rollouts against inference and writes training batches."""
 
@@ -78,10 +122,33 @@ class OrchestratorConfig(BaseConfig):
     """Rollouts per task (GRPO group); must divide batch_size."""
 
     max_async_level: int = Field(1, ge=0)
-    """How many policy versions the rollouts of a step may lag behind the trainer. 0 = synchronous."""
+    """How far the orchestrator may run ahead of the trainer: batch n is assembled (and rollouts for it started)
+    only once inference serves policy version >= n - 1 - max_async_level, version v being the weights the
+    trainer published after step v. Rollouts that carried over (see spare_batches) may be older, down to
+    max_off_policy_steps. 0 = synchronous: every token of batch n comes from version n - 1."""
 
-    max_concurrent_requests: int = Field(64, ge=1)
-    """Most rollout requests in flight at once."""
+    spare_batches: int = Field(1, ge=0)
+    """With max_async_level >= 1: extra groups, in batches' worth, started beyond those the batches the orchestrator
+    may assemble need, while the trainer waits for batches (it was waiting when the last batch was taken). A batch
+    is then made of the first groups to finish, and slow groups carry over to a later batch (their age bounded by
+    max_off_policy_steps) instead of holding it back. 0: a batch waits for its own slowest group. Synchronous runs
+    (max_async_level = 0) start exactly each batch's groups."""
+
+    max_off_policy_steps: int = Field(8, ge=0)
+    """Oldest token a batch may hold: a group whose oldest token is older than version
+    n - 1 - max_off_policy_steps (n the step the batch is for) is cancelled in flight, or dropped if it has
+    finished; both are counted (pipeline/cancelled_groups, pipeline/dropped_groups)."""
+
+    version_tracking: Literal["stream", "reply"] = "stream"
+    """How each completion token gets the policy version that produced it. stream (vLLM): completions are
+    streamed and each token is stamped with the version served when it arrives. reply: non-streaming requests
+    whose choices carry `token_versions` (the simulated server); a reply without them is an error."""
+
+    concurrency: ConcurrencyConfig = ConcurrencyConfig()
+    """In-flight limit of rollout completions (fixed or adaptive)."""
+
+    weights_poll_s: float = Field(0.1, gt=0.0)
+    """Seconds between two looks for newly published weights (loaded as soon as they appear, mid-rollout)."""
 
     micro_batch_tokens: int = Field(8192, ge=16)
     """Token budget of one packed training micro-batch."""
@@ -109,6 +176,16 @@ class OrchestratorConfig(BaseConfig):
         if self.weight_check.max_abs_diff is not None:
             return self.weight_check.max_abs_diff
         return 1e-3 if self.model.dtype == "float32" else 5e-2
+
+    @model_validator(mode="after")
+    def _check_staleness(self) -> "OrchestratorConfig":
+        if self.max_off_policy_steps < self.max_async_level:
+            raise ValueError(
+                f"max_off_policy_steps ({self.max_off_policy_steps}) is below max_async_level "
+                f"({self.max_async_level}), so rollouts of the oldest policy a batch may use would be dropped; "
+                f"raise orchestrator.max_off_policy_steps to at least {self.max_async_level}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_group(self) -> "OrchestratorConfig":

@@ -1,7 +1,7 @@
-"""Orchestrator main loop: per step, refresh weights if needed, generate and score rollouts, write batches.
+"""Orchestrator main loop: take each batch from the continuous rollout pipeline, score advantages, write it.
 
-With max_async_level >= 1 batch n+1 is generated while the trainer trains step n: the loop only waits for
-weights when the served policy would be too stale for the next batch.
+Rollouts run continuously and weights are loaded mid-rollout (pipeline.py, weights.py); this loop only waits when
+the next batch is not ready: too few finished groups, or the served policy too old for it (max_async_level).
 """
 
 import asyncio
@@ -12,7 +12,8 @@ from slipstream.orchestrator.advantages import compute_advantages, count_zero_ad
 from slipstream.orchestrator.batching import build_training_batches, write_training_batches
 from slipstream.orchestrator.client import InferenceClient
 from slipstream.orchestrator.metrics import progress_line, rollout_metrics
-from slipstream.orchestrator.rollouts import Rollout, WeightedSemaphore, generate_batch
+from slipstream.orchestrator.pipeline import RolloutPipeline
+from slipstream.orchestrator.rollouts import Rollout
 from slipstream.orchestrator.sampler import TaskSampler
 from slipstream.orchestrator.weights import WeightRelay
 
@@ -22,28 +23,29 @@ def run_orchestrator(config: OrchestratorConfig) -> None:
     asyncio.run(orchestrate(config))
 
 
-async def orchestrate(config: OrchestratorConfig) -> None:
+async def orchestrate(config: OrchestratorConfig) -> dict[str, float]:
+    """The orchestrator's run; returns the final pipeline counters."""
     async with InferenceClient(config.inference_url, config.model.name, config.request_timeout_s) as client:
         await client.wait_healthy(config.health_timeout_s)
         env = build_env(config.env.name, **config.env.args)
         sampler = TaskSampler(env.tasks("train"), config.batch_size // config.group_size, config.seed)
         relay = WeightRelay(client, config)
-        limiter = WeightedSemaphore(config.max_concurrent_requests)
-        for step in range(1, config.max_steps + 1):
-            metrics = await relay.maybe_update_weights(step)
-            rollouts, metrics["timing/generate_s"] = await generate_batch(
-                client,
-                env,
-                sampler.tasks_for_step(step),
-                config.group_size,
-                config.sampling,
-                relay.served_version,
-                limiter,
-            )
-            metrics.update(assign_advantages(step, rollouts, config))
-            write_step(step, rollouts, config, metrics)
-            print(progress_line(step, config.max_steps, metrics), flush=True)
+        pipeline = RolloutPipeline(client, env, sampler, relay, config)
+        async with pipeline.running():
+            for step in range(1, config.max_steps + 1):
+                rollouts, metrics = await pipeline.next_batch(step)
+                metrics.update(assign_advantages(step, rollouts, config))
+                write_step(step, rollouts, config, metrics)
+                print(progress_line(step, config.max_steps, metrics), flush=True)
+        summary = {**pipeline.counters(), "pipeline/abandoned_groups": float(pipeline.ledger.num_abandoned)}
+        print(
+            f"[orchestrator] done: {summary['pipeline/dispatched_groups']:.0f} groups started, "
+            f"{summary['pipeline/cancelled_groups']:.0f} cancelled and {summary['pipeline/dropped_groups']:.0f} "
+            f"dropped as too old, {summary['pipeline/abandoned_groups']:.0f} left over at the end",
+            flush=True,
+        )
         await relay.load_final(config.max_steps)
+        return summary
 
 
 def assign_advantages(step: int, rollouts: list[Rollout], config: OrchestratorConfig) -> dict[str, float]:

@@ -1,4 +1,5 @@
-"""Per-step orchestrator metrics (rewards, lengths, policy lag), shipped to the trainer inside TrainingBatch.metrics."""
+"""Per-step orchestrator metrics (rewards, lengths, policy versions and lag), shipped to the trainer inside
+TrainingBatch.metrics, and the console progress line."""
 
 from collections.abc import Sequence
 
@@ -8,11 +9,16 @@ from slipstream.orchestrator.rollouts import Rollout
 
 
 def rollout_metrics(step: int, rollouts: Sequence[Rollout], num_zero_adv_groups: int) -> dict[str, float]:
-    """Reward, length and policy-version statistics of the rollouts of `step`."""
+    """Reward, length and policy-version statistics of the rollouts of `step`.
+
+    Lag of a token = (step - 1) - its version: the trainer has finished step - 1 steps when it trains on the batch.
+    """
     rewards = np.asarray([r.reward for r in rollouts], dtype=np.float64)
     completion_lens = np.asarray([len(r.completion_token_ids) for r in rollouts], dtype=np.float64)
     seq_lens = completion_lens + np.asarray([len(r.prompt_token_ids) for r in rollouts], dtype=np.float64)
-    versions = [r.policy_version for r in rollouts]
+    oldest = min(r.oldest_version for r in rollouts)
+    newest = max(r.newest_version for r in rollouts)
+    token_versions = np.asarray([v for r in rollouts for v in r.token_versions], dtype=np.float64)
     return {
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std()),
@@ -20,9 +26,12 @@ def rollout_metrics(step: int, rollouts: Sequence[Rollout], num_zero_adv_groups:
         "reward/max": float(rewards.max()),
         "seq_len/mean": float(seq_lens.mean()),
         "completion_len/mean": float(completion_lens.mean()),
-        "policy/version": float(max(versions)),
-        # The trainer has finished step - 1 steps when it trains on this batch.
-        "policy/lag_max": float(step - 1 - min(versions)),
+        "policy/version": float(newest),
+        "policy/version_oldest": float(oldest),
+        "policy/version_newest": float(newest),
+        "policy/lag_max": float(step - 1 - oldest),
+        "policy/lag_mean": float(step - 1 - token_versions.mean()) if token_versions.size else 0.0,
+        "batch/multi_version_rollouts": float(sum(r.oldest_version != r.newest_version for r in rollouts)),
         "batch/zero_adv_groups": float(num_zero_adv_groups),
         "batch/num_rollouts": float(len(rollouts)),
     }
@@ -30,12 +39,15 @@ def rollout_metrics(step: int, rollouts: Sequence[Rollout], num_zero_adv_groups:
 
 def progress_line(step: int, max_steps: int, metrics: dict[str, float]) -> str:
     """One human-readable line per step."""
+    m = metrics
     line = (
-        f"[orchestrator] step {step}/{max_steps} | reward {metrics['reward/mean']:.3f} "
-        f"| seq_len {metrics['seq_len/mean']:.0f} | policy v{metrics['policy/version']:.0f} "
-        f"(lag {metrics['policy/lag_max']:.0f}) | zero-adv groups {metrics['batch/zero_adv_groups']:.0f} "
-        f"| generate {metrics['timing/generate_s']:.2f}s | weights {metrics['timing/weight_update_s']:.2f}s"
+        f"[orchestrator] step {step}/{max_steps} | reward {m['reward/mean']:.3f} | seq_len {m['seq_len/mean']:.0f} "
+        f"| policy v{m['policy/version_oldest']:.0f}-v{m['policy/version_newest']:.0f} "
+        f"(lag {m['policy/lag_max']:.0f}) | zero-adv groups {m['batch/zero_adv_groups']:.0f} "
+        f"| cancelled {m['pipeline/cancelled_groups']:.0f} dropped {m['pipeline/dropped_groups']:.0f} "
+        f"| in flight {m['pipeline/in_flight_groups']:.0f} (limit {m['pipeline/concurrency_limit']:.0f}) "
+        f"| wait {m['timing/wait_weights_s'] + m['timing/generate_s']:.2f}s | weights {m['timing/weight_update_s']:.2f}s"
     )
-    if "weight_sync/max_abs_diff" in metrics:
-        line += f" | sync diff {metrics['weight_sync/max_abs_diff']:.2e}"
+    if "weight_sync/max_abs_diff" in m:
+        line += f" | sync diff {m['weight_sync/max_abs_diff']:.2e}"
     return line

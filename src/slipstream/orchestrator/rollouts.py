@@ -1,17 +1,16 @@
-"""Rollout generation: one chat request per task group, token ids and logprobs taken verbatim from vLLM.
+"""Rollouts: one sampled completion with its token ids, log-probs and the policy version of every token, and the
+parsing of whole (non-streamed) chat replies. Token ids and log-probs are taken verbatim from the server.
 
 Completion text is used only for rewards; training tokens are never re-tokenized.
 """
 
 import asyncio
-import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from slipstream.config.orchestrator import SamplingConfig
-from slipstream.envs.base import Environment, Task, score
-from slipstream.orchestrator.client import InferenceClient, InferenceError
+from slipstream.envs.base import Task
+from slipstream.orchestrator.client import InferenceError
 
 MISSING_LOGPROB = -9999.0
 """vLLM's placeholder when it has no log-prob for a token (and its clamp of -inf)."""
@@ -27,11 +26,22 @@ class Rollout:
     completion_logprobs: list[float]
     """Inference log-prob of each completion token, at the sampling temperature."""
     completion_text: str
-    policy_version: int
-    """Policy version that generated every token of this rollout."""
+    token_versions: list[int]
+    """Policy version that produced each completion token (non-decreasing)."""
+    request_version: int
+    """Policy version served when the request was sent: no token is older."""
     finish_reason: str | None = None
     reward: float = 0.0
     advantage: float = 0.0
+
+    @property
+    def oldest_version(self) -> int:
+        """Version of the oldest token (the request's version for an empty completion)."""
+        return min(self.token_versions, default=self.request_version)
+
+    @property
+    def newest_version(self) -> int:
+        return max(self.token_versions, default=self.request_version)
 
 
 class WeightedSemaphore:
@@ -66,8 +76,16 @@ def cache_salt(policy_version: int) -> str:
     return f"policy-{policy_version}"
 
 
-def parse_chat_response(reply: dict, task: Task, n: int, policy_version: int) -> list[Rollout]:
-    """Turn a chat reply (`return_token_ids` + `logprobs`) into `n` rollouts; malformed replies raise InferenceError."""
+def parse_chat_response(
+    reply: dict, task: Task, n: int, policy_version: int, require_token_versions: bool = False
+) -> list[Rollout]:
+    """Turn a whole chat reply (`return_token_ids` + `logprobs`) into `n` rollouts; malformed replies raise.
+
+    `policy_version` is the version served when the request was sent. Choices that carry `token_versions` (the
+    simulated server) keep them; otherwise every token is attributed to `policy_version`, which is exact only when
+    no weight update can land during the request (evaluation of a fixed policy). `require_token_versions` makes
+    their absence an error (the rollout pipeline, which updates weights mid-request).
+    """
     prompt_ids = reply.get("prompt_token_ids")
     choices = reply.get("choices") or []
     if not prompt_ids:
@@ -92,6 +110,7 @@ def parse_chat_response(reply: dict, task: Task, n: int, policy_version: int) ->
         logprobs = [float(entry["logprob"]) for entry in content]
         if any(lp <= MISSING_LOGPROB for lp in logprobs):
             raise InferenceError(f"task {task.id}: choice {choice['index']} has tokens without a log-prob from vLLM")
+        versions = _token_versions(choice, task, len(token_ids), policy_version, require_token_versions)
         message = choice.get("message") or {}
         rollouts.append(
             Rollout(
@@ -100,47 +119,26 @@ def parse_chat_response(reply: dict, task: Task, n: int, policy_version: int) ->
                 completion_token_ids=list(token_ids),
                 completion_logprobs=logprobs,
                 completion_text=message.get("content") or "",
-                policy_version=policy_version,
+                token_versions=versions,
+                request_version=policy_version,
                 finish_reason=choice.get("finish_reason"),
             )
         )
     return rollouts
 
 
-async def generate_group(
-    client: InferenceClient,
-    env: Environment,
-    task: Task,
-    group_size: int,
-    sampling: SamplingConfig,
-    policy_version: int,
-    limiter: WeightedSemaphore,
-) -> list[Rollout]:
-    """Sample `group_size` completions of `task` in one request and score them."""
-    units = await limiter.acquire(group_size)
-    try:
-        reply = await client.chat(task.prompt, sampling_params(sampling), group_size, cache_salt(policy_version))
-    finally:
-        await limiter.release(units)
-    rollouts = parse_chat_response(reply, task, group_size, policy_version)
-    rewards = await asyncio.gather(*(score(env, task, r.completion_text) for r in rollouts))
-    for rollout, reward in zip(rollouts, rewards, strict=True):
-        rollout.reward = reward
-    return rollouts
-
-
-async def generate_batch(
-    client: InferenceClient,
-    env: Environment,
-    tasks: Sequence[Task],
-    group_size: int,
-    sampling: SamplingConfig,
-    policy_version: int,
-    limiter: WeightedSemaphore,
-) -> tuple[list[Rollout], float]:
-    """All groups of one step, concurrently; rollouts come back group by group in task order, with the seconds taken."""
-    start = time.perf_counter()
-    groups = await asyncio.gather(
-        *(generate_group(client, env, task, group_size, sampling, policy_version, limiter) for task in tasks)
-    )
-    return [rollout for group in groups for rollout in group], time.perf_counter() - start
+def _token_versions(choice: dict, task: Task, num_tokens: int, policy_version: int, required: bool) -> list[int]:
+    versions = choice.get("token_versions")
+    if versions is None:
+        if required:
+            raise InferenceError(
+                f"task {task.id}: choice {choice['index']} has no token_versions; orchestrator.version_tracking "
+                "= 'reply' needs a server that reports them (the simulated server); use 'stream' with vLLM"
+            )
+        return [policy_version] * num_tokens
+    if len(versions) != num_tokens or any(v < policy_version for v in versions):
+        raise InferenceError(
+            f"task {task.id}: choice {choice['index']} has token_versions {versions} for {num_tokens} tokens of a "
+            f"request sent at policy version {policy_version}"
+        )
+    return [int(v) for v in versions]

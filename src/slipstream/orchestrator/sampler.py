@@ -1,6 +1,7 @@
 """Deterministic task sampling: the train split is reshuffled every epoch from (seed, epoch).
 
-The tasks of a step depend only on (seed, step), so a resumed run continues the same sequence.
+Tasks form one stream (`task_at(i)`, the i-th task drawn); the i-th task depends only on (seed, i), so a resumed
+run continues the same sequence.
 """
 
 from collections.abc import Sequence
@@ -28,13 +29,16 @@ class TaskSampler:
             self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.tasks))}
         return self._perms[epoch]
 
+    def task_at(self, index: int) -> Task:
+        """The `index`-th task of the stream (0-based)."""
+        if index < 0:
+            raise ValueError(f"task indices start at 0, got {index}")
+        epoch, offset = divmod(index, len(self.tasks))
+        return self.tasks[int(self._permutation(epoch)[offset])]
+
     def tasks_for_step(self, step: int) -> list[Task]:
-        """Tasks of `step` (1-based)."""
+        """Tasks `(step - 1) * tasks_per_step ...` of the stream: those of `step` (1-based) in a synchronous run."""
         if step < 1:
             raise ValueError(f"steps start at 1, got {step}")
         start = (step - 1) * self.tasks_per_step
-        picked = []
-        for index in range(start, start + self.tasks_per_step):
-            epoch, offset = divmod(index, len(self.tasks))
-            picked.append(self.tasks[int(self._permutation(epoch)[offset])])
-        return picked
+        return [self.task_at(index) for index in range(start, start + self.tasks_per_step)]

@@ -1,12 +1,17 @@
-"""Weight relay: keeps the served policy fresh enough for each step, loads published weights, verifies every load.
+"""Weight relay: loads newly published weights as soon as they appear, while rollouts are in flight, and verifies
+every load.
 
-Verification scores the trainer's probe tokens on inference and compares log-probs, so a failed or partial
-weight update (a frozen or corrupted policy) is caught instead of training silently.
+An update is pause(keep) -> load -> reset prefix cache -> resume: in-flight requests freeze and continue with the
+new weights, nothing is drained or restarted. New requests are held back from the pause until the load is
+verified, so every request sent after an update carries the new version's cache_salt. Verification scores the
+trainer's probe tokens on inference and compares log-probs, so a failed or partial weight update (a frozen or
+corrupted policy) is caught instead of training silently.
 """
 
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -25,38 +30,71 @@ class WeightSyncError(RuntimeError):
 
 
 class WeightRelay:
-    """Tracks the policy version inference serves (0 = initial weights) and updates it between batches."""
+    """Tracks the policy version inference serves (0 = initial weights) and updates it as weights are published.
+
+    `served_version` switches right before /resume (see streaming.py for why tokens are stamped with it);
+    `updating` is true from /pause until the load is verified; `on_change` is called whenever either changes.
+    """
 
     def __init__(self, client: InferenceClient, config: OrchestratorConfig, served_version: int = 0) -> None:
         self.client = client
         self.config = config
         self.output_dir = Path(config.output_dir).resolve()
         self.served_version = served_version
+        self.updating = False
+        self.on_change: Callable[[], None] = lambda: None
+        self.pending_metrics: dict[str, float] = {}
+        """Metrics of the updates since the last batch (taken by the pipeline into the next batch)."""
+        self._stop = asyncio.Event()
 
-    async def maybe_update_weights(self, step: int) -> dict[str, float]:
-        """Before generating batch `step`: load the newest ready weights, waiting if the served ones are too old.
+    async def watch(self, num_batches: Callable[[], int]) -> None:
+        """Load the newest published weights whenever they are newer than the served ones, until stop()."""
+        while not self._stop.is_set():
+            newest = await asyncio.to_thread(latest_ready_step, self.output_dir)
+            if self._stop.is_set():
+                break
+            if newest is not None and newest > self.served_version:
+                if newest > num_batches():
+                    raise RuntimeError(
+                        f"{weights_dir(self.output_dir, newest)} exists though only {num_batches()} batches were "
+                        f"written: {self.output_dir} holds weights of another run; use a fresh output_dir"
+                    )
+                await self.update(newest)
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.config.weights_poll_s)
+            except TimeoutError:
+                pass
 
-        Returns metrics for the batch: timing of the wait and of the update, and the weight check when one ran.
-        """
-        min_version = step - 1 - self.config.max_async_level
-        newest = latest_ready_step(self.output_dir)
-        metrics = {"timing/wait_weights_s": 0.0, "timing/weight_update_s": 0.0}
-        if self.served_version < min_version and (newest is None or newest < min_version):
-            start = time.perf_counter()
-            newest = await asyncio.to_thread(
-                wait_for_weights, self.output_dir, min_version, self.config.weights_timeout_s
-            )
-            metrics["timing/wait_weights_s"] = time.perf_counter() - start
-        if newest is None or newest <= self.served_version:
-            return metrics
-        if newest >= step:
-            raise RuntimeError(
-                f"{weights_dir(self.output_dir, newest)} exists before batch {step} was generated: "
-                f"{self.output_dir} holds weights of another run; use a fresh output_dir"
-            )
+    def stop(self) -> None:
+        """Let watch() return after its current poll or update (an update is never interrupted)."""
+        self._stop.set()
+
+    async def update(self, version: int) -> None:
+        """Load `weights/step_<version>` in place with requests in flight, then verify it."""
         start = time.perf_counter()
-        metrics.update(await self.load(newest))
-        metrics["timing/weight_update_s"] = time.perf_counter() - start
+        self.updating = True
+        self.on_change()
+        try:
+            load = await self.client.load_weights(
+                str(weights_dir(self.output_dir, version)), before_resume=lambda: self._serve(version)
+            )
+            check = await self._verify(version)
+        finally:
+            self.updating = False
+            self.on_change()
+        m = self.pending_metrics
+        m["timing/weight_update_s"] = m.get("timing/weight_update_s", 0.0) + time.perf_counter() - start
+        m["weights/num_updates"] = m.get("weights/num_updates", 0.0) + 1
+        m["weights/prefix_cache_reset"] = min(m.get("weights/prefix_cache_reset", 1.0), float(load.prefix_cache_reset))
+        if check is not None:
+            m["weight_sync/max_abs_diff"] = max(m.get("weight_sync/max_abs_diff", 0.0), check)
+
+    def _serve(self, version: int) -> None:
+        self.served_version = version
+        self.on_change()
+
+    def take_metrics(self) -> dict[str, float]:
+        metrics, self.pending_metrics = self.pending_metrics, {}
         return metrics
 
     async def load_final(self, final_step: int) -> None:
@@ -64,14 +102,12 @@ class WeightRelay:
         ends with inference serving the trained policy."""
         if self.served_version < final_step:
             await asyncio.to_thread(wait_for_weights, self.output_dir, final_step, self.config.weights_timeout_s)
-            await self.load(final_step)
+            await self.update(final_step)
 
-    async def load(self, version: int) -> dict[str, float]:
-        """Load `weights/step_<version>` on inference, then verify it if `weight_check.enabled`."""
-        await self.client.load_weights(str(weights_dir(self.output_dir, version)))
-        self.served_version = version
+    async def _verify(self, version: int) -> float | None:
+        """Check the load if `weight_check.enabled`; return the probe's max |diff| (None when disabled)."""
         if not self.config.weight_check.enabled:
-            return {}
+            return None
         check = await verify_weights(self.client, self.output_dir, version, self.config.weight_check_tolerance)
         if not check["passed"]:
             message = (
@@ -83,7 +119,7 @@ class WeightRelay:
             if self.config.weight_check.stop_on_failure:
                 raise WeightSyncError(message)
             print(f"[orchestrator] WARNING: {message}", flush=True)
-        return {"weight_sync/max_abs_diff": check["max_abs_diff"]}
+        return check["max_abs_diff"]
 
 
 async def verify_weights(client: InferenceClient, output_dir: Path, step: int, max_abs_diff: float) -> dict:

@@ -1,0 +1,237 @@
+"""Continuous rollout pipeline: groups are started as soon as the in-flight limit and the async level allow,
+finished groups wait in a buffer, and a batch is assembled from the first finished groups as soon as enough exist.
+
+Weight updates land while requests are in flight (weights.py); every token records the policy version that
+produced it, and groups too old for the next batch are cancelled in flight or dropped (ledger.py).
+Which groups may start: batch n needs policy >= n - 1 - max_async_level, so with version v served the groups of
+batches up to v + 1 + max_async_level are started. With max_async_level >= 1, while the trainer waits for batches
+(it was waiting when the last one was taken: inference is the bottleneck), `spare_batches` of spare groups start
+too: a batch then takes the first groups to finish and slow ones carry over. With max_async_level = 0 exactly the
+current batch's groups start, so every batch is on-policy. The in-flight limit (concurrency) bounds them all.
+"""
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+from slipstream.config.orchestrator import OrchestratorConfig
+from slipstream.envs.base import Environment, score
+from slipstream.orchestrator.client import InferenceClient, InferenceError
+from slipstream.orchestrator.concurrency import InFlightLimit, parse_server_load
+from slipstream.orchestrator.ledger import Group, GroupLedger, Signal
+from slipstream.orchestrator.rollouts import Rollout, cache_salt, parse_chat_response, sampling_params
+from slipstream.orchestrator.sampler import TaskSampler
+from slipstream.orchestrator.streaming import StreamedChat
+from slipstream.orchestrator.weights import WeightRelay
+from slipstream.transport.weights import weights_dir
+
+
+class RolloutPipeline:
+    """Keeps rollout groups in flight and hands out batches. Use `async with pipeline.running():`."""
+
+    def __init__(
+        self,
+        client: InferenceClient,
+        env: Environment,
+        sampler: TaskSampler,
+        relay: WeightRelay,
+        config: OrchestratorConfig,
+    ) -> None:
+        self.client, self.env, self.sampler, self.relay, self.config = client, env, sampler, relay, config
+        self.group_size = config.group_size
+        self.num_spare = config.spare_batches * config.batch_size // config.group_size if config.max_async_level else 0
+        self.ledger = GroupLedger(config.batch_size // config.group_size, config.max_off_policy_steps)
+        self.limit = InFlightLimit(config.concurrency)
+        self.signal = Signal()
+        relay.on_change = self.signal.notify
+        self.error: BaseException | None = None
+        self._limit_was_binding = False
+        self._trainer_waited = True
+        """Whether the trainer was already waiting when the last batch was taken (it had published the weights of
+        the step before): then inference is the bottleneck and spare groups pay off; otherwise they would only wait
+        in the buffer and age."""
+        self._cancelled: list[asyncio.Task] = []
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator["RolloutPipeline"]:
+        """Run dispatch, the weight watcher and (adaptive) the load poller; on exit, stop them and cancel the
+        groups still in flight. A background failure is raised by the next wait, or here."""
+        watcher = asyncio.create_task(self._guard(self.relay.watch(lambda: self.ledger.num_batches)))
+        background: list[Coroutine[Any, Any, None]] = [self._dispatch_loop()]
+        if self.config.concurrency.mode == "adaptive":
+            background.append(self._poll_server_load())
+        cancellable = [asyncio.create_task(self._guard(coro)) for coro in background]
+        try:
+            yield self
+        finally:
+            await self._shutdown(watcher, cancellable)
+        if self.error is not None:
+            raise self.error
+
+    async def next_batch(self, step: int) -> tuple[list[Rollout], dict[str, float]]:
+        """Rollouts of batch `step` (group by group) and the pipeline's metrics for it."""
+        if step != self.ledger.num_batches + 1:
+            raise ValueError(f"batch {step} asked after {self.ledger.num_batches} batches; batches go in order")
+        start = time.perf_counter()
+        min_version = step - 1 - self.config.max_async_level
+        try:
+            async with asyncio.timeout(self.config.weights_timeout_s):
+                await self._wait(lambda: self.relay.served_version >= min_version)
+        except TimeoutError as e:
+            raise TimeoutError(
+                f"waited {self.config.weights_timeout_s:.0f}s for the trainer to publish "
+                f"{weights_dir(self.relay.output_dir, min_version)} (batch {step} needs policy >= {min_version} "
+                f"with max_async_level = {self.config.max_async_level}); is the trainer running?"
+            ) from e
+        gated = time.perf_counter()
+        await self._wait(lambda: len(self.ledger.finished) >= self.ledger.groups_per_batch)
+        groups = self.ledger.take_batch()
+        assert groups is not None  # the wait above guarantees a full batch
+        self._trainer_waited = self.relay.served_version >= step - 1
+        self._cancel(self.ledger.sweep())
+        self.signal.notify()
+        metrics = {
+            "timing/wait_weights_s": gated - start,
+            "timing/generate_s": time.perf_counter() - gated,
+            "timing/weight_update_s": 0.0,
+            **self.relay.take_metrics(),
+            **self.counters(),
+        }
+        return [r for g in groups for r in g.rollouts], metrics
+
+    def counters(self) -> dict[str, float]:
+        """Cumulative group counts and the current in-flight limit."""
+        ledger = self.ledger
+        return {
+            "pipeline/dispatched_groups": float(ledger.num_dispatched),
+            "pipeline/cancelled_groups": float(ledger.num_cancelled),
+            "pipeline/dropped_groups": float(ledger.num_dropped),
+            "pipeline/in_flight_groups": float(len(ledger.in_flight)),
+            "pipeline/buffered_groups": float(len(ledger.finished)),
+            "pipeline/concurrency_limit": float(self.limit.limit),
+            "pipeline/concurrency_backoffs": float(self.limit.num_backoffs),
+        }
+
+    async def _wait(self, predicate: Any) -> None:
+        await self.signal.wait_for(lambda: self.error is not None or predicate())
+        if self.error is not None:
+            raise self.error
+
+    def _fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self.signal.notify()
+
+    async def _guard(self, coro: Coroutine[Any, Any, None]) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._fail(e)
+
+    def _dispatch_state(self) -> Literal["go", "limit", "hold"]:
+        """go: a group may start; limit: only the in-flight limit holds it back; hold: anything else does."""
+        if self.error is not None or self.relay.updating:
+            return "hold"
+        last_allowed = min(self.config.max_steps, self.relay.served_version + 1 + self.config.max_async_level)
+        num_spare = self.num_spare if self._trainer_waited else 0
+        if self.ledger.quota(last_allowed, num_spare) <= 0:
+            return "hold"
+        in_flight = len(self.ledger.in_flight) * self.group_size
+        if in_flight and in_flight + self.group_size > self.limit.limit:
+            return "limit"
+        return "go"
+
+    def _may_dispatch(self) -> bool:
+        state = self._dispatch_state()
+        self._limit_was_binding |= state == "limit"
+        return state == "go"
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            await self.signal.wait_for(self._may_dispatch)
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        index = self.ledger.num_dispatched
+        group = Group(index=index, task=self.sampler.task_at(index), request_version=self.relay.served_version)
+        if self.config.version_tracking == "stream":
+            where = f"{self.client.base_url}/v1/chat/completions (stream, task {group.task.id})"
+            group.stream = StreamedChat(self.group_size, lambda: self.relay.served_version, where)
+        self.ledger.start(group)
+        group.handle = asyncio.create_task(self._run_group(group))
+
+    async def _run_group(self, group: Group) -> None:
+        try:
+            async with asyncio.timeout(self.config.request_timeout_s):
+                rollouts = await self._generate(group)
+            rewards = await asyncio.gather(*(score(self.env, group.task, r.completion_text) for r in rollouts))
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            timeout = self.config.request_timeout_s
+            self._fail(InferenceError(f"task {group.task.id}: no complete reply within request_timeout_s = {timeout}s"))
+            return
+        except Exception as e:
+            self._fail(e)
+            return
+        for rollout, reward in zip(rollouts, rewards, strict=True):
+            rollout.reward = reward
+        self.ledger.finish(group, rollouts)
+        self.signal.notify()
+
+    async def _generate(self, group: Group) -> list[Rollout]:
+        """Send the group's request and parse its completions, each token with its policy version."""
+        task, n, salt = group.task, self.group_size, cache_salt(group.request_version)
+        sampling = sampling_params(self.config.sampling)
+        if group.stream is not None:
+            async for chunk in self.client.stream_chat(task.prompt, sampling, n, salt):
+                group.stream.add(chunk)
+            rollouts = group.stream.rollouts(task, group.request_version)
+        else:
+            reply = await self.client.chat(task.prompt, sampling, n, salt)
+            rollouts = parse_chat_response(reply, task, n, group.request_version, require_token_versions=True)
+        if any(r.finish_reason == "abort" for r in rollouts):
+            raise InferenceError(
+                f"task {task.id}: the server aborted the request (finish_reason 'abort') though the orchestrator did "
+                "not cancel it; was inference paused with mode=abort, or shut down?"
+            )
+        return rollouts
+
+    async def _poll_server_load(self) -> None:
+        """Adaptive concurrency: read /metrics every poll interval and move the limit (skipped during updates)."""
+        where = f"{self.client.base_url}/metrics"
+        noted = False
+        while True:
+            await asyncio.sleep(self.config.concurrency.poll_interval_s)
+            if self.relay.updating:
+                continue
+            load = parse_server_load(await self.client.get_text("/metrics"), where)
+            if load.num_preemptions is None and not noted:
+                noted = True
+                print(f"[orchestrator] note: {where} has no preemption counter; backing off on queueing only")
+            if self.relay.updating:
+                continue
+            saturated = self._limit_was_binding or self._dispatch_state() == "limit"
+            self._limit_was_binding = False
+            self.limit.observe(load, saturated, in_flight=len(self.ledger.in_flight) * self.group_size)
+            self.signal.notify()
+
+    def _cancel(self, groups: list[Group]) -> None:
+        """Cancel groups' requests: closing a streamed request's connection makes vLLM abort it."""
+        self._cancelled = [task for task in self._cancelled if not task.done()]
+        for group in groups:
+            group.handle.cancel()
+            self._cancelled.append(group.handle)
+
+    async def _shutdown(self, watcher: asyncio.Task, cancellable: list[asyncio.Task]) -> None:
+        """Stop dispatch and polling, let the weight watcher finish any update (never leave inference paused),
+        and cancel the groups still in flight."""
+        self.relay.stop()
+        for task in cancellable:
+            task.cancel()
+        self._cancel(self.ledger.abandon_all())
+        await asyncio.gather(watcher, *cancellable, *self._cancelled, return_exceptions=True)
