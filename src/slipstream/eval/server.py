@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from slipstream.config.inference import InferenceConfig
+from slipstream.inference.admin_token import ensure_admin_token
 from slipstream.inference.server import build_vllm_argv, build_vllm_env
 from slipstream.launch.plan import ProcessSpec
 from slipstream.launch.supervisor import ChildFailed, Supervisor, tail
@@ -44,6 +45,7 @@ def serve_model(config: InferenceConfig, model_path: Path, log_path: Path, timeo
     The server and every process below it are stopped on exit, including on errors, Ctrl-C and SIGTERM.
     """
     argv = build_eval_server_argv(config, model_path)
+    ensure_admin_token()  # the server requires one; this process's InferenceClient sends it
     spec = ProcessSpec("inference", argv, log_path, build_vllm_env(config, base={}))
     sup = Supervisor()
     with _sigterm_as_interrupt():

@@ -8,6 +8,7 @@ from pathlib import Path
 from slipstream.config.inference import InferenceConfig
 
 WORKER_EXTENSION = "slipstream.inference.worker_ext.WeightLoaderExtension"
+ADMIN_MIDDLEWARE = "slipstream.inference.auth.AdminTokenMiddleware"
 
 
 def build_vllm_argv(config: InferenceConfig, model_path: Path) -> list[str]:
@@ -24,6 +25,7 @@ def build_vllm_argv(config: InferenceConfig, model_path: Path) -> list[str]:
         "--max-num-seqs", str(config.max_num_seqs),
         "--tensor-parallel-size", str(config.tensor_parallel_size),
         "--worker-extension-cls", WORKER_EXTENSION,
+        "--middleware", ADMIN_MIDDLEWARE,  # admin endpoints need the run's admin token
         "--logprobs-mode", "processed_logprobs",
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
@@ -58,8 +60,16 @@ def _has_cuda() -> bool:
 
 def run_inference(config: InferenceConfig) -> int:
     """Resolve the model folder and replace this process with the vLLM server."""
+    from slipstream.inference.admin_token import TOKEN_ENV
     from slipstream.models.hub import resolve_model
 
+    if not os.environ.get(TOKEN_ENV):
+        print(
+            f"error: set {TOKEN_ENV} to a secret before starting inference (the orchestrator needs the same value); "
+            "it guards the weight-loading and pause endpoints. `slipstream rl` sets it for you.",
+            file=sys.stderr,
+        )
+        return 2
     model_path = resolve_model(config.model.name)
     argv = build_vllm_argv(config, model_path)
     print("starting vLLM:", " ".join(argv), flush=True)

@@ -1,6 +1,7 @@
 """`slipstream rl` on one machine: write configs, start inference/trainer/orchestrator, supervise, stop cleanly."""
 
 import json
+import os
 import signal
 import sys
 import time
@@ -9,6 +10,7 @@ import urllib.request
 from pathlib import Path
 
 from slipstream.config.rl import RLConfig
+from slipstream.inference.admin_token import ensure_admin_token
 from slipstream.launch.plan import build_plan, write_configs
 from slipstream.launch.supervisor import ChildFailed, Supervisor, tail
 
@@ -25,6 +27,7 @@ def run_rl(config: RLConfig) -> int:
     """Run the whole RL job; return the exit code (0 = all steps done)."""
     config.output_dir.mkdir(parents=True, exist_ok=True)
     write_configs(config)
+    write_admin_token(config.output_dir)
     specs = {spec.name: spec for spec in build_plan(config)}
     sup = Supervisor(grace_s=config.launch.shutdown_grace_s)
     old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -54,6 +57,17 @@ def run_rl(config: RLConfig) -> int:
         sup.stop_all()
         for sig, handler in old.items():
             signal.signal(sig, handler)
+
+
+def write_admin_token(output_dir: Path) -> None:
+    """Create the run's admin token (children inherit it) and leave a copy, readable by this user only, for
+    people who need to call the admin endpoints by hand."""
+    token = ensure_admin_token()
+    path = output_dir / "admin_token"
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
 
 
 def wait_healthy(sup: Supervisor, url: str, timeout_s: float) -> None:

@@ -1,0 +1,39 @@
+"""Token check for vLLM's admin endpoints (pause, resume, weight loading, cache reset), loaded into the server
+with `--middleware`. vLLM's own `--api-key` guards only /v1, so without this anyone who can reach the port
+could swap the policy's weights."""
+
+import hmac
+import os
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from slipstream.inference.admin_token import HEADER, TOKEN_ENV, admin_headers
+
+__all__ = ["AdminTokenMiddleware", "admin_headers", "is_open_path"]
+# Read-only and inference routes stay open (/v1 can be guarded separately with vLLM's --api-key).
+OPEN_PREFIXES = ("/v1/", "/health", "/ping", "/version", "/metrics", "/tokenize", "/detokenize", "/load")
+
+
+def is_open_path(path: str) -> bool:
+    return path.startswith(OPEN_PREFIXES) or path in ("/v1", "/")
+
+
+class AdminTokenMiddleware:
+    """ASGI middleware: every route outside OPEN_PREFIXES needs the header `X-Slipstream-Admin-Token: <token>`."""
+
+    def __init__(self, app: ASGIApp, token: str | None = None) -> None:
+        token = token if token is not None else os.environ.get(TOKEN_ENV, "")
+        if not token:
+            raise RuntimeError(f"{TOKEN_ENV} is not set: the admin endpoints would be open; set it to a secret")
+        self.app = app
+        self.expected = token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket") and not is_open_path(scope["path"]):
+            given = dict(scope["headers"]).get(HEADER.lower().encode(), b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = JSONResponse({"error": "admin endpoint: missing or wrong admin token"}, status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
