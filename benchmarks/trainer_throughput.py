@@ -2,26 +2,39 @@
 
     python benchmarks/trainer_throughput.py --model qwen3-0.6b --seq-len 16384 --impl custom --compare-hf
     python benchmarks/trainer_throughput.py --model tiny --device cpu --seq-len 512 --compare-hf
+    python benchmarks/trainer_throughput.py --lm-head-memory --head-tokens 65536
 
-Runs the trainer's own code (Policy, train_step, AdamW on float32 masters, bf16 autocast on GPUs) on one device.
-Prints tokens/s, MFU and peak memory per implementation, and last `tokens_per_s: <x> mfu: <y>` for `--impl`
-(plus `vs_hf: <ratio>` with --compare-hf). MFU uses REFERENCE.md's FLOPs/token: 6 x active matmul parameters
-+ 12 x layers x heads x head_dim x context, where context is the attended length per token (the mean sample
-length weighted by tokens, as packed samples never attend to each other), over the dense bf16 peak of an
+Runs the trainer's own code (Policy, train_step, fused AdamW on float32 masters, bf16 autocast on GPUs) on one
+device. Prints tokens/s, MFU and peak memory per implementation, and last `tokens_per_s: <x> mfu: <y>` for
+`--impl` (plus `vs_hf: <ratio>` with --compare-hf). MFU uses REFERENCE.md's FLOPs/token: 6 x active matmul
+parameters + 12 x layers x heads x head_dim x context, where context is the attended length per token (the mean
+sample length weighted by tokens, as packed samples never attend to each other), over the dense bf16 peak of an
 H100/H200 SXM (989e12 FLOP/s); n/a on CPU.
+
+`--impl custom` runs with torch.compile per block on CUDA (`--no-compile` to disable); the `hf` baseline is always
+plain transformers (sdpa attention, eager), with the same activation checkpointing, trainer LM head and optimizer,
+and with --compare-hf it runs first, in its own process.
+`--lm-head-memory` instead measures the peak memory of the trainer's fused LM head (forward + backward) against
+the unfused one (full [tokens, V] logits) at `--head-tokens` x vocab 151,936 (`measure_lm_head_memory`).
 """
 
 import argparse
 import gc
 import resource
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from slipstream.config.trainer import LossConfig, ParallelConfig
+from slipstream.models.common.attention import build_attention_layout
 from slipstream.models.registry import build_model, export_hf_state_dict
 from slipstream.parallel.fsdp import parallelize_model
+from slipstream.trainer.logprobs import DEFAULT_CHUNK_SIZE, chunked_lm_head_logprobs
 from slipstream.trainer.policy import Policy
 from slipstream.trainer.step import train_step
 from slipstream.transport.rollouts import MicroBatch, TrainingBatch
@@ -125,8 +138,9 @@ def run_impl(args: argparse.Namespace, impl: str, device: torch.device) -> Resul
     """Build a fresh random model of `impl`, run warmup + measured steps, return the figures."""
     cfg = build_hf_config(args.model)
     model = build_random_model(cfg, impl, device)
-    policy = parallelize_model(Policy(model), None, ParallelConfig(activation_checkpointing=args.ac))
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    compile = args.compile and impl == "custom"
+    policy = parallelize_model(Policy(model), None, ParallelConfig(activation_checkpointing=args.ac), compile=compile)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, fused=True if device.type == "cuda" else None)
     batch, context = fake_batch(args.seq_len, args.num_samples, cfg.vocab_size)
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     step_s, metrics = time_steps(policy, optimizer, batch, device, compute_dtype, args.warmup, args.steps)
@@ -175,6 +189,72 @@ def _fmt_mfu(mfu: float | None) -> str:
     return "n/a" if mfu is None else f"{100 * mfu:.1f}%"
 
 
+HEAD_VOCAB, HEAD_DIM = 151936, 1024
+"""Qwen3-0.6B's LM head shape for --lm-head-memory."""
+
+
+def unfused_lm_head_logprobs(weight_VD, hidden_ND, token_ids_N, temperatures_N):
+    """The head without chunking or fusion, same maths: full [N, V] logits and a float32 log-softmax."""
+    logits_NV = F.linear(hidden_ND, weight_VD)
+    logp_NV = F.log_softmax(logits_NV.float() / temperatures_N.unsqueeze(-1), dim=-1)
+    logprobs_N = logp_NV.gather(-1, token_ids_N.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy_N = -(logp_NV.exp() * logp_NV).sum(-1)
+    return logprobs_N, entropy_N
+
+
+def fused_lm_head_logprobs(weight_VD, hidden_ND, token_ids_N, temperatures_N):
+    """The trainer's head (trainer/logprobs.py + trainer/lm_head.py) at its default chunk size."""
+    return chunked_lm_head_logprobs(weight_VD, hidden_ND, token_ids_N, temperatures_N, DEFAULT_CHUNK_SIZE)
+
+
+def head_peak_gib(head, num_tokens: int, device: torch.device) -> float | None:
+    """Peak GPU memory of head's forward + backward above its inputs (float32 W [V, D] and hidden [N, D], as the
+    trainer holds them), in GiB; gradients of W and hidden included. None when it runs out of memory."""
+    g = torch.Generator(device).manual_seed(0)
+    weight_VD = (torch.randn(HEAD_VOCAB, HEAD_DIM, device=device, generator=g) * 0.02).requires_grad_()
+    hidden_ND = torch.randn(num_tokens, HEAD_DIM, device=device, generator=g).requires_grad_()
+    token_ids_N = torch.randint(0, HEAD_VOCAB, (num_tokens,), device=device, generator=g)
+    temperatures_N = torch.rand(num_tokens, device=device, generator=g) + 0.5
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    try:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logprobs_N, _ = head(weight_VD, hidden_ND, token_ids_N, temperatures_N)
+        logprobs_N.sum().backward()
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - base) / 2**30
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        del weight_VD, hidden_ND
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def measure_lm_head_memory(device: torch.device, num_tokens: int) -> dict[str, float | str | None]:
+    """Fused vs unfused peak at num_tokens. When the unfused head does not fit, its peak is extrapolated linearly
+    from num_tokens / 8 and / 4 (the unfused peak is affine in tokens: every [N, V] tensor scales with N)."""
+    head_peak_gib(fused_lm_head_logprobs, num_tokens, device)  # compiles the fused kernels first
+    fused = head_peak_gib(fused_lm_head_logprobs, num_tokens, device)
+    unfused = head_peak_gib(unfused_lm_head_logprobs, num_tokens, device)
+    figures: dict[str, float | str | None] = {"fused_gib": round(fused, 2)}
+    if unfused is not None:
+        figures |= {"unfused_gib": round(unfused, 2), "unfused_source": "measured"}
+    else:
+        small, large = num_tokens // 8, num_tokens // 4
+        peak_small, peak_large = (head_peak_gib(unfused_lm_head_logprobs, n, device) for n in (small, large))
+        unfused = peak_large + (peak_large - peak_small) / (large - small) * (num_tokens - large)
+        figures |= {
+            "unfused_gib": round(unfused, 2),
+            "unfused_source": f"out of memory; extrapolated from {small}: {peak_small:.2f} and {large}: {peak_large:.2f}",
+        }
+    figures["fused_over_unfused"] = round(fused / unfused, 4)
+    return figures
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-0.6b", choices=["qwen3-0.6b", "tiny"])
@@ -186,7 +266,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
     parser.add_argument("--ac", action=argparse.BooleanOptionalAction, default=True, help="activation checkpointing")
     parser.add_argument("--compare-hf", action="store_true", help="also run --impl hf and print the ratio")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile each block of --impl custom (default: on CUDA only); never the hf baseline",
+    )
+    parser.add_argument("--lm-head-memory", action="store_true", help="measure the LM head's memory instead")
+    parser.add_argument("--head-tokens", type=int, default=65536, help="tokens for --lm-head-memory")
     args = parser.parse_args(argv)
+    if args.compile is None:
+        args.compile = args.device == "cuda"
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch sees no GPU; use --device cpu (with --model tiny)")
     if args.steps < 1 or args.num_samples < 1 or args.seq_len < 2 * args.num_samples:
@@ -198,17 +288,42 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    if args.lm_head_memory:
+        figures = measure_lm_head_memory(device, args.head_tokens)
+        print(f"LM head, {args.head_tokens} tokens x vocab {HEAD_VOCAB} | {name} | bf16 autocast | forward + backward")
+        print(f"peak above inputs: {figures}", flush=True)
+        return
+    compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    position_ids = torch.tensor(fake_batch(args.seq_len, args.num_samples, 2)[0].micro_batches[0].position_ids)
+    attention = build_attention_layout(position_ids[None].to(device), compute_dtype).backend
     print(
-        f"{args.model} | seq {args.seq_len} in {args.num_samples} sample(s) | {name} | "
-        f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'} | activation checkpointing {args.ac}",
+        f"{args.model} | seq {args.seq_len} in {args.num_samples} sample(s) | {name} | torch {torch.__version__} | "
+        f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'} | activation checkpointing {args.ac} | "
+        f"custom: attention {attention}, compile {args.compile}",
         flush=True,
     )
+    baseline = run_baseline_in_subprocess(args) if args.compare_hf and args.impl != "hf" else None
     result = run_impl(args, args.impl, device)
     line = f"tokens_per_s: {result.tokens_per_s:.1f} mfu: {_fmt_mfu(result.mfu)}"
-    if args.compare_hf and args.impl != "hf":
-        baseline = run_impl(args, "hf", device)
-        line += f" vs_hf: {result.tokens_per_s / baseline.tokens_per_s:.3f}"
+    if baseline is not None:
+        tokens_per_s, report = baseline
+        print(report, flush=True)
+        line += f" vs_hf: {result.tokens_per_s / tokens_per_s:.3f}"
     print(line, flush=True)
+
+
+def run_baseline_in_subprocess(args: argparse.Namespace) -> tuple[float, str]:
+    """(tokens/s, its report line) of `--impl hf` with the same settings, run first and in a fresh process: one run
+    in a process slowed the next there (seen on an H100: hf at 18.1k tokens/s after our model, 23.2k alone)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--impl", "hf", "--model", args.model]
+    cmd += ["--seq-len", str(args.seq_len), "--num-samples", str(args.num_samples), "--device", args.device]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--ac" if args.ac else "--no-ac"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines or not lines[-1].startswith("tokens_per_s: "):
+        raise RuntimeError(f"the hf baseline failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+    report = next(line for line in lines if line.lstrip().startswith("hf:"))
+    return float(lines[-1].split()[1]), report
 
 
 if __name__ == "__main__":

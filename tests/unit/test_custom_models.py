@@ -148,12 +148,18 @@ def test_moe_stats_match_transformers_aux_loss(name, model_dir):
     ours = load_pretrained(path, impl="custom")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     input_ids_BT = random_ids(ours.args.vocab_size, 2, 30, seed=5)
-    ours(input_ids_BT, torch.arange(30).expand(2, 30))
+    logits, aux_loss_L = ours.forward_with_aux_loss(input_ids_BT, torch.arange(30).expand(2, 30))
     stats = ours.moe_stats()
     num_moe_layers = sum(ours.args.is_moe_layer(i) for i in range(ours.args.num_layers))
     assert stats.tokens_per_expert_LE.shape == (num_moe_layers, ours.args.num_experts)
     assert (stats.tokens_per_expert_LE.sum(1) == 60 * ours.args.num_experts_per_tok).all()
-    assert stats.aux_loss_L.requires_grad and stats.aux_loss_L.shape == (num_moe_layers,)
+    assert aux_loss_L.requires_grad and aux_loss_L.shape == (num_moe_layers,)
+    assert torch.equal(stats.aux_loss_L, aux_loss_L.detach())
+    # nothing left on the modules holds an autograd graph
+    kept = [t for m in ours.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)]
+    assert kept and not any(t.requires_grad for t in kept)
+    aux_loss_L.sum().backward()
+    assert all(m.router.weight.grad.abs().sum() > 0 for m in ours.modules() if hasattr(m, "router"))
     hf_aux = hf(input_ids=input_ids_BT, output_router_logits=True).aux_loss
     assert abs(stats.global_aux_loss().item() - hf_aux.item()) <= 1e-5
 

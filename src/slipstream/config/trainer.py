@@ -154,6 +154,12 @@ class TrainerConfig(BaseConfig):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Training device; auto picks CUDA when available."""
 
+    compile: bool = False
+    """torch.compile each transformer block (after activation checkpointing, before FSDP): Inductor fuses the
+    elementwise work around the matmuls (RMSNorm, RoPE, SwiGLU, residual adds, casts). Costs a compilation at the
+    first step (and when shapes change); results equal eager up to float rounding. Meant for GPUs; on CPU it needs
+    a C++ compiler and rarely pays off."""
+
     num_threads: int | None = Field(None, ge=1)
     """torch CPU threads per rank (default: torch's choice)."""
 

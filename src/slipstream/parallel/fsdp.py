@@ -1,5 +1,6 @@
-"""Apply parallelism to a model from outside: activation checkpointing per transformer block, then FSDP2
-(`fully_shard`) per block and on the root, with the mixed-precision policy of the compute dtype.
+"""Apply parallelism to a model from outside: activation checkpointing per transformer block, then (optionally)
+torch.compile per block, then FSDP2 (`fully_shard`) per block and on the root, with the mixed-precision policy of
+the compute dtype.
 
 Gradients are SUMMED over data-parallel ranks, not averaged: the trainer's loss is already divided by the step's
 loss-token count across all ranks, so the sum is the gradient of the step's mean loss.
@@ -55,17 +56,29 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile every transformer block in place (`nn.Module.compile`: state-dict keys unchanged). Blocks of
+    one model share their code, so one compilation serves them all; a block already wrapped for activation
+    checkpointing is compiled with its recomputation, which Inductor then plans itself."""
+    for block in find_blocks(model):
+        block.compile()
+
+
 def parallelize_model(
     model: nn.Module,
     mesh: DeviceMesh | None,
     config: ParallelConfig,
     compute_dtype: torch.dtype = torch.float32,
+    compile: bool = False,
 ) -> nn.Module:
-    """Activation checkpointing (if configured), then FSDP2 per block and on `model` (the root, which then owns the
-    remaining parameters: embeddings, final norm, LM head). Without a mesh (one rank) only checkpointing applies.
-    Returns `model`, modified in place; its parameters end up on the mesh's device."""
+    """Activation checkpointing (if configured), then torch.compile per block (if `compile`), then FSDP2 per block
+    and on `model` (the root, which then owns the remaining parameters: embeddings, final norm, LM head). Without
+    a mesh (one rank) FSDP does not apply. Returns `model`, modified in place; its parameters end up on the mesh's
+    device."""
     if config.activation_checkpointing:
         apply_activation_checkpointing(model)
+    if compile:
+        apply_compile(model)
     if mesh is None:
         return model
     fsdp_mesh = mesh[fsdp_mesh_dims(mesh)]

@@ -8,15 +8,14 @@ D = hidden size, V = vocabulary.
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from slipstream.models.common.transformer import DecoderLM
 from slipstream.trainer.data import PackedMicroBatch, build_padded_layout, pack, unpack
+from slipstream.trainer.lm_head import lm_head_logprobs
 
 DEFAULT_CHUNK_SIZE = 8192
-"""Tokens per LM-head chunk: only [chunk, V] logits exist at a time (recomputed in backward)."""
+"""Tokens per LM-head chunk: only [chunk, V] logits (in the compute dtype) exist at a time."""
 
 # Config attributes with which transformers post-processes logits after the LM head (softcapping, scaling).
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -44,10 +43,19 @@ def compute_logprobs(
 
 
 def packed_logprobs(
-    model: nn.Module, input_ids_T: Tensor, position_ids_T: Tensor, temperatures_T: Tensor, chunk_size: int
+    model: nn.Module,
+    input_ids_T: Tensor,
+    position_ids_T: Tensor,
+    temperatures_T: Tensor,
+    chunk_size: int,
+    target_mask_T: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`compute_logprobs` on the micro-batch's tensors. Packed samples never attend to each other: our models
-    separate them by position_ids (one row, no padding); transformers models get right-padded rows and a mask."""
+    separate them by position_ids (one row, no padding); transformers models get right-padded rows and a mask.
+
+    With `target_mask_T` (the loss mask) the LM head runs only for those tokens: log-prob and entropy are 0
+    elsewhere (prompt tokens' log-probs are never used by the loss, and the head is a quarter of the step's FLOPs).
+    """
     layout = build_padded_layout(position_ids_T)
     if is_custom_model(model):
         hidden_TD = model.forward_hidden(input_ids_T[None], position_ids_T[None])[0]
@@ -65,7 +73,8 @@ def packed_logprobs(
         head_weight_VD, head_bias_V = lm_head.weight, lm_head.bias
 
     # Token t (not a sample start) is predicted from the hidden state of token t - 1 of the same sample.
-    target_N = torch.nonzero(~layout.is_start_T).squeeze(-1)
+    is_target_T = ~layout.is_start_T if target_mask_T is None else target_mask_T & ~layout.is_start_T
+    target_N = torch.nonzero(is_target_T).squeeze(-1)
     logprobs_N, entropy_N = chunked_lm_head_logprobs(
         head_weight_VD,
         hidden_TD[target_N - 1],
@@ -87,34 +96,21 @@ def chunked_lm_head_logprobs(
     head_bias_V: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Log-probs of token_ids_N and entropies (float32) under softmax((hidden_ND @ W^T + b) / temperature),
-    chunk by chunk; with grad enabled each chunk's logits are recomputed in backward instead of stored."""
+    chunk by chunk through the fused head (trainer/lm_head.py): no [N, V] tensor is ever materialised, forward or
+    backward (each chunk's logits are recomputed in backward)."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0 (got {chunk_size})")
-    recompute = torch.is_grad_enabled() and (hidden_ND.requires_grad or head_weight_VD.requires_grad)
     logprobs, entropies = [], []
-    for start in range(0, hidden_ND.shape[0], chunk_size):
+    # With no tokens, one empty chunk still runs: every rank's head parameters then get a (zero) gradient, which
+    # FSDP's collectives need.
+    for start in range(0, max(hidden_ND.shape[0], 1), chunk_size):
         chunk = slice(start, start + chunk_size)
-        args = (head_weight_VD, head_bias_V, hidden_ND[chunk], token_ids_N[chunk], temperatures_N[chunk])
-        lp_C, ent_C = checkpoint(_head_chunk, *args, use_reentrant=False) if recompute else _head_chunk(*args)
+        lp_C, ent_C = lm_head_logprobs(
+            hidden_ND[chunk], head_weight_VD, head_bias_V, token_ids_N[chunk], temperatures_N[chunk]
+        )
         logprobs.append(lp_C)
         entropies.append(ent_C)
-    if not logprobs:
-        empty_N = hidden_ND.new_zeros(0, dtype=torch.float32)
-        return empty_N, empty_N
     return torch.cat(logprobs), torch.cat(entropies)
-
-
-def _head_chunk(
-    head_weight_VD: Tensor, head_bias_V: Tensor | None, hidden_CD: Tensor, token_ids_C: Tensor, temperatures_C: Tensor
-) -> tuple[Tensor, Tensor]:
-    # The head's matmul runs in the compute dtype (as inference computes its logits); the log-softmax is float32.
-    logits_CV = F.linear(hidden_CD, head_weight_VD, head_bias_V)
-    with torch.autocast(hidden_CD.device.type, enabled=False):
-        logp_CV = F.log_softmax(logits_CV.float() / temperatures_C.unsqueeze(-1), dim=-1)
-        logprobs_C = logp_CV.gather(-1, token_ids_C.unsqueeze(-1)).squeeze(-1)
-        with torch.no_grad():
-            entropy_C = -(logp_CV.exp() * logp_CV).sum(-1)
-    return logprobs_C, entropy_C
 
 
 def check_plain_lm_head(model: nn.Module) -> None:
@@ -125,7 +121,7 @@ def check_plain_lm_head(model: nn.Module) -> None:
         if value is not None and value != 1:
             raise NotImplementedError(
                 f"{config.model_type} applies {name}={value} to its logits after the LM head; "
-                "trainer/logprobs.py applies the LM head alone: add that transform to _head_chunk first"
+                "trainer/logprobs.py applies the LM head alone: add that transform to trainer/lm_head.py first"
             )
     if model.base_model is model:
         raise NotImplementedError(f"{type(model).__name__} has no separate base model and LM head")

@@ -17,15 +17,20 @@ WRAPPED_PREFIX = "model."
 
 
 class Policy(nn.Module):
-    """`forward(input_ids_T, position_ids_T, temperatures_T) -> (logprobs_T, entropy_T)` (see packed_logprobs)."""
+    """`forward(input_ids_T, position_ids_T, temperatures_T, loss_mask_T=None) -> (logprobs_T, entropy_T)`
+    (see packed_logprobs): with `loss_mask_T` the LM head runs only for loss tokens (0 elsewhere)."""
 
     def __init__(self, model: nn.Module, chunk_size: int = DEFAULT_CHUNK_SIZE):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
 
-    def forward(self, input_ids_T: Tensor, position_ids_T: Tensor, temperatures_T: Tensor) -> tuple[Tensor, Tensor]:
-        return packed_logprobs(self.model, input_ids_T, position_ids_T, temperatures_T, self.chunk_size)
+    def forward(
+        self, input_ids_T: Tensor, position_ids_T: Tensor, temperatures_T: Tensor, loss_mask_T: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        return packed_logprobs(
+            self.model, input_ids_T, position_ids_T, temperatures_T, self.chunk_size, target_mask_T=loss_mask_T
+        )
 
 
 def load_model(model_dir: Path, impl: str) -> tuple[nn.Module, str]:

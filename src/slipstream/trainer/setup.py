@@ -85,19 +85,13 @@ def setup_trainer(config: TrainerConfig) -> Trainer:
     model, impl = load_model(model_dir, config.model_impl)
     compute_dtype = DTYPES[config.model.dtype]
     mesh = build_mesh(dims, device.type) if info.world_size > 1 else None
-    policy = parallelize_model(Policy(model), mesh, config.parallel, compute_dtype)
+    policy = parallelize_model(Policy(model), mesh, config.parallel, compute_dtype, compile=config.compile)
     if mesh is None:
         policy.to(device)
     autocast_dtype = compute_dtype
     if mesh is not None and fsdp_param_dtype(compute_dtype, device.type) == compute_dtype:
         autocast_dtype = torch.float32
-    optimizer = torch.optim.AdamW(
-        policy.parameters(),
-        lr=config.optim.lr,
-        betas=config.optim.betas,
-        eps=config.optim.eps,
-        weight_decay=config.optim.weight_decay,
-    )
+    optimizer = build_optimizer(policy, config, device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     trainer = Trainer(
         model=model,
@@ -116,6 +110,18 @@ def setup_trainer(config: TrainerConfig) -> Trainer:
     )
     maybe_resume(trainer, config)
     return trainer
+
+
+def build_optimizer(policy: nn.Module, config: TrainerConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over the float32 masters; on CUDA the fused implementation (one kernel for all parameters)."""
+    return torch.optim.AdamW(
+        policy.parameters(),
+        lr=config.optim.lr,
+        betas=config.optim.betas,
+        eps=config.optim.eps,
+        weight_decay=config.optim.weight_decay,
+        fused=True if device.type == "cuda" else None,
+    )
 
 
 def maybe_resume(trainer: Trainer, config: TrainerConfig) -> None:

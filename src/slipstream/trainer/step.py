@@ -31,7 +31,8 @@ def train_step(
     """Accumulate gradients of every micro-batch (each loss already divided by the step's loss-token count across
     ranks), clip the global gradient norm, step the optimizer and zero the gradients.
 
-    `policy` maps (input_ids_T, position_ids_T, temperatures_T) to (logprobs_T, entropy_T) (trainer/policy.py).
+    `policy` maps (input_ids_T, position_ids_T, temperatures_T, loss_mask_T) to (logprobs_T, entropy_T), both 0
+    outside the loss mask (trainer/policy.py).
     Its parameters are the float32 masters; with `autocast_dtype` bfloat16 the forward runs under autocast
     (backward follows it), so AdamW always updates float32 weights.
     """
@@ -46,7 +47,10 @@ def train_step(
         is_padding = i >= len(batch.micro_batches)
         packed = to_packed(batch.micro_batches[min(i, len(batch.micro_batches) - 1)], device)
         with mixed_precision(device, autocast_dtype):
-            logprobs_T, entropy_T = policy(packed.input_ids_T, packed.position_ids_T, packed.temperatures_T)
+            # Only loss tokens go through the LM head: the loss and the logged entropy read nothing else.
+            logprobs_T, entropy_T = policy(
+                packed.input_ids_T, packed.position_ids_T, packed.temperatures_T, packed.loss_mask_T
+            )
         loss, stats = rl_loss(
             logprobs_T,
             packed.inference_logprobs_T,

@@ -1,22 +1,92 @@
 """Self-attention over PACKED rows (samples share a row; position_ids restart at 0 at each sample; no token sees
-another sample). This CPU path (block-diagonal causal mask + SDPA) is the reference: the GPU paths to come (varlen
-flash attention from cu_seqlens, flex_attention with a document mask) must match `packed_attention`.
+another sample), with one path per device and layout, picked once per forward by `build_attention_layout`:
 
-Legend: B = rows, T = tokens per row, D = hidden size, H = query heads, G = key/value heads, K = head dim.
+| backend       | when                                             | kernel                                         |
+|---------------|--------------------------------------------------|------------------------------------------------|
+| "causal"      | CUDA, every row holds one sample                 | SDPA is_causal=True (cuDNN, else flash)        |
+| "varlen"      | CUDA, packed rows, 16-bit compute (bf16 / fp16)  | flash attention varlen over cu_seqlens         |
+| "reference"   | anything else (CPU; float32 packed rows on CUDA) | block-diagonal causal mask + SDPA, O(T^2) mask |
+
+Packed rows on CUDA also take the reference where torch has no `torch.nn.attention.varlen` (before 2.10).
+`packed_attention` (the reference) defines the result; tests/gpu checks every GPU path against it. On an H100 with
+torch 2.11 (benchmarks/RESULTS.md) the causal path runs cuDNN's kernel, 1.8x faster than flash there.
+
+Legend: B = rows, T = tokens per row, N = B * T tokens, S = samples (over all rows), D = hidden size,
+H = query heads, G = key/value heads, K = head dim.
 """
+
+import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from slipstream.models.common.norm import RMSNorm
 from slipstream.models.common.rope import apply_rope
+
+try:  # torch >= 2.10
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
+
+if varlen_attn is None:
+    _VARLEN_KWARGS: dict = {}
+else:
+    _params = inspect.signature(varlen_attn).parameters
+    # torch 2.10 takes is_causal; later releases take window_size and (some) ask for enable_gqa explicitly.
+    _VARLEN_KWARGS = {"window_size": (-1, 0)} if "window_size" in _params else {"is_causal": True}
+    if "enable_gqa" in _params:
+        _VARLEN_KWARGS["enable_gqa"] = True
+
+# cuDNN's fused attention is the fastest causal kernel on Hopper (REFERENCE.md); flash and memory-efficient follow.
+_CAUSAL_BACKENDS = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """How the samples of a packed batch lie in its rows, and which attention path runs them."""
+
+    backend: str
+    """"causal", "varlen" or "reference" (see the module docstring)."""
+    position_ids_BT: Tensor
+    cu_seqlens_S1: Tensor | None = None
+    """varlen only: int32 offsets of each sample in the flattened N tokens, then N."""
+    max_seqlen: int = 0
+    """varlen only: the longest sample."""
 
 
 def sample_ids(position_ids_BT: Tensor) -> Tensor:
     """sample_ids_BT: index of the sample each token belongs to; a new sample starts wherever position_ids == 0
     (the trainer's packing convention, and how varlen flash attention derives cu_seqlens)."""
     return (position_ids_BT == 0).cumsum(dim=-1)
+
+
+def build_attention_layout(position_ids_BT: Tensor, compute_dtype: torch.dtype) -> AttentionLayout:
+    """Pick the attention path for this batch (one host sync on CUDA; none on CPU).
+
+    `compute_dtype` is the dtype attention runs in (the autocast dtype, or the activations' dtype without autocast).
+    """
+    if position_ids_BT.device.type != "cuda":
+        return AttentionLayout("reference", position_ids_BT)
+    starts_BT = position_ids_BT == 0
+    starts_BT[:, 0] = True  # a row's first token starts a group even when its positions do not start at 0
+    starts_S = torch.nonzero(starts_BT.flatten()).squeeze(-1)
+    num_rows = position_ids_BT.shape[0]
+    if starts_S.numel() == num_rows:
+        return AttentionLayout("causal", position_ids_BT)
+    if varlen_attn is None or compute_dtype not in _SIXTEEN_BIT:
+        return AttentionLayout("reference", position_ids_BT)
+    cu_seqlens_S1 = F.pad(starts_S, (0, 1), value=position_ids_BT.numel()).to(torch.int32)
+    max_seqlen = int((cu_seqlens_S1[1:] - cu_seqlens_S1[:-1]).max())
+    return AttentionLayout("varlen", position_ids_BT, cu_seqlens_S1, max_seqlen)
 
 
 def build_packed_causal_mask(position_ids_BT: Tensor) -> Tensor:
@@ -32,9 +102,40 @@ def build_packed_causal_mask(position_ids_BT: Tensor) -> Tensor:
 
 
 def packed_attention(q_BHTK: Tensor, k_BGTK: Tensor, v_BGTK: Tensor, position_ids_BT: Tensor) -> Tensor:
-    """o_BHTK: softmax(q k^T / sqrt(K)) v within each sample, causally; G divides H (grouped-query attention)."""
+    """o_BHTK: softmax(q k^T / sqrt(K)) v within each sample, causally; G divides H (grouped-query attention).
+    The reference every other path must match."""
     mask_B1TT = build_packed_causal_mask(position_ids_BT)
     return F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, attn_mask=mask_B1TT, enable_gqa=True)
+
+
+def causal_attention(q_BHTK: Tensor, k_BGTK: Tensor, v_BGTK: Tensor) -> Tensor:
+    """o_BHTK for rows that each hold one sample: plain causal SDPA (fused kernels, no mask tensor)."""
+    with sdpa_kernel(_CAUSAL_BACKENDS, set_priority=True):
+        return F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, is_causal=True, enable_gqa=True)
+
+
+def varlen_attention(q_NHK: Tensor, k_NGK: Tensor, v_NGK: Tensor, cu_seqlens_S1: Tensor, max_seqlen: int) -> Tensor:
+    """o_NHK over the flattened tokens: causal within each sample [cu_seqlens[s], cu_seqlens[s+1]), flash attention
+    varlen (GQA native); runs in the autocast dtype (the op is not autocast-aware)."""
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q_NHK.dtype
+    q_NHK, k_NGK, v_NGK = q_NHK.to(dtype), k_NGK.to(dtype), v_NGK.to(dtype)
+    return varlen_attn(q_NHK, k_NGK, v_NGK, cu_seqlens_S1, cu_seqlens_S1, max_seqlen, max_seqlen, **_VARLEN_KWARGS)
+
+
+def attention(q_BTHK: Tensor, k_BTGK: Tensor, v_BTGK: Tensor, layout: AttentionLayout) -> Tensor:
+    """o_BTHK through the path `layout.backend` names."""
+    if layout.backend == "varlen":
+        B, T = q_BTHK.shape[:2]
+        o_NHK = varlen_attention(
+            q_BTHK.flatten(0, 1), k_BTGK.flatten(0, 1), v_BTGK.flatten(0, 1), layout.cu_seqlens_S1, layout.max_seqlen
+        )
+        return o_NHK.view(B, T, *o_NHK.shape[1:])
+    q_BHTK, k_BGTK, v_BGTK = q_BTHK.transpose(1, 2), k_BTGK.transpose(1, 2), v_BTGK.transpose(1, 2)
+    if layout.backend == "causal":
+        return causal_attention(q_BHTK, k_BGTK, v_BGTK).transpose(1, 2)
+    if layout.backend == "reference":
+        return packed_attention(q_BHTK, k_BGTK, v_BGTK, layout.position_ids_BT).transpose(1, 2)
+    raise ValueError(f"unknown attention backend {layout.backend!r}")
 
 
 class Attention(nn.Module):
@@ -63,17 +164,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
 
-    def forward(self, x_BTD: Tensor, cos_BTK: Tensor, sin_BTK: Tensor, position_ids_BT: Tensor) -> Tensor:
+    def forward(self, x_BTD: Tensor, cos_BTK: Tensor, sin_BTK: Tensor, layout: AttentionLayout) -> Tensor:
         B, T, _ = x_BTD.shape
         q_BTHK = self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim)
         k_BTGK = self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
         v_BTGK = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
-        q_BHTK = apply_rope(q_BTHK.transpose(1, 2), cos_BTK, sin_BTK)
-        k_BGTK = apply_rope(k_BTGK.transpose(1, 2), cos_BTK, sin_BTK)
-        o_BHTK = packed_attention(q_BHTK, k_BGTK, v_BTGK.transpose(1, 2), position_ids_BT)
-        return self.o_proj(o_BHTK.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+        q_BTHK, k_BTGK = apply_rope(q_BTHK, cos_BTK, sin_BTK), apply_rope(k_BTGK, cos_BTK, sin_BTK)
+        o_BTHK = attention(q_BTHK, k_BTGK, v_BTGK, layout)
+        return self.o_proj(o_BTHK.reshape(B, T, self.num_heads * self.head_dim))
 
     def init_weights(self, std: float) -> None:
         for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):

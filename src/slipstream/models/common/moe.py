@@ -80,8 +80,10 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed SwiGLU experts (no shared expert). After each forward, the load-balance statistics of that call are
-    kept on the module (`tokens_per_expert_E`, `router_prob_mean_E`, `aux_loss`); nothing is added to any loss."""
+    """Routed SwiGLU experts (no shared expert). `forward` returns (y_BTD, aux_loss): the Switch-style load-balance
+    loss of that call, differentiable through the router; adding it to a loss is the caller's choice. Detached
+    statistics of the last call stay on the module for logging (`tokens_per_expert_E`, `router_prob_mean_E`,
+    `aux_loss`): nothing kept on the module holds an autograd graph."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
         super().__init__()
@@ -91,26 +93,31 @@ class MoE(nn.Module):
         self.num_tokens = 0
         """N of the last forward."""
         self.tokens_per_expert_E: Tensor | None = None
-        """Routed (token, expert) pairs per expert in the last forward (int64, no grad); sums to N * A."""
+        """Routed (token, expert) pairs per expert in the last forward (int64); sums to N * A."""
         self.router_prob_mean_E: Tensor | None = None
-        """Mean router probability per expert over the last forward's tokens (float32, differentiable)."""
+        """Mean router probability per expert over the last forward's tokens (float32, detached)."""
         self.aux_loss: Tensor | None = None
-        """Switch-style load-balance loss of the last forward (differentiable): E * sum_e f_e * P_e with
+        """Value of the last forward's load-balance loss (detached): E * sum_e f_e * P_e with
         f_e = tokens_per_expert_E / N and P_e = router_prob_mean_E; equals A when routing is perfectly balanced."""
 
-    def forward(self, x_BTD: Tensor) -> Tensor:
+    def forward(self, x_BTD: Tensor) -> tuple[Tensor, Tensor]:
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
         probs_NE, expert_ids_NA, weights_NA = self.router(x_ND)
         y_ND = self.experts(x_ND, expert_ids_NA, weights_NA.to(x_ND.dtype))
-        self._record_stats(probs_NE, expert_ids_NA)
-        return y_ND.view_as(x_BTD)
+        return y_ND.view_as(x_BTD), self._load_balance_loss(probs_NE, expert_ids_NA)
 
-    def _record_stats(self, probs_NE: Tensor, expert_ids_NA: Tensor) -> None:
-        self.num_tokens = num_tokens = probs_NE.shape[0]
-        self.tokens_per_expert_E = torch.bincount(expert_ids_NA.reshape(-1), minlength=self.num_experts).detach()
-        self.router_prob_mean_E = probs_NE.mean(dim=0)
-        fraction_E = self.tokens_per_expert_E.float() / num_tokens
-        self.aux_loss = self.num_experts * (fraction_E * self.router_prob_mean_E).sum()
+    def _load_balance_loss(self, probs_NE: Tensor, expert_ids_NA: Tensor) -> Tensor:
+        """The differentiable aux loss; records the detached statistics on the module."""
+        num_tokens = probs_NE.shape[0]
+        tokens_per_expert_E = torch.bincount(expert_ids_NA.reshape(-1), minlength=self.num_experts)
+        router_prob_mean_E = probs_NE.mean(dim=0)
+        fraction_E = tokens_per_expert_E.float() / num_tokens
+        aux_loss = self.num_experts * (fraction_E * router_prob_mean_E).sum()
+        self.num_tokens = num_tokens
+        self.tokens_per_expert_E = tokens_per_expert_E.detach()
+        self.router_prob_mean_E = router_prob_mean_E.detach()
+        self.aux_loss = aux_loss.detach()
+        return aux_loss
 
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.router.weight, mean=0.0, std=std)
@@ -126,18 +133,19 @@ class MoEStats:
     tokens_per_expert_LE: Tensor
     router_prob_mean_LE: Tensor
     aux_loss_L: Tensor
-    """Per-layer Switch aux loss (differentiable); a trainer that wants it adds `coef * aux_loss_L.sum()` itself."""
+    """Per-layer Switch aux loss values (detached; the differentiable ones come from the forward that made them,
+    e.g. `DecoderLM.forward_hidden_with_aux_loss`)."""
 
     def global_aux_loss(self) -> Tensor:
         """transformers' `load_balancing_loss_func` value (`aux_loss` of `output_router_logits=True`): fractions
-        and probabilities averaged over all layers and tokens first, then E * sum_e f_e * P_e."""
+        and probabilities averaged over all layers and tokens first, then E * sum_e f_e * P_e (detached)."""
         num_experts = self.tokens_per_expert_LE.shape[1]
         fraction_E = (self.tokens_per_expert_LE.float() / self.num_tokens).mean(dim=0)
         return num_experts * (fraction_E * self.router_prob_mean_LE.mean(dim=0)).sum()
 
 
 def collect_moe_stats(model: nn.Module) -> MoEStats:
-    """Stack the last-forward statistics of every MoE layer of `model`."""
+    """Stack the last-forward statistics of every MoE layer of `model` (all detached)."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers or layers[0].aux_loss is None:
         raise RuntimeError("no MoE statistics yet: run a forward pass first")

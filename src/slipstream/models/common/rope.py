@@ -95,7 +95,8 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x_BHTK: Tensor, cos_BTK: Tensor, sin_BTK: Tensor) -> Tensor:
-    """Rotate query or key heads (HF's half-split convention, not interleaved pairs)."""
-    cos_B1TK, sin_B1TK = cos_BTK.unsqueeze(1), sin_BTK.unsqueeze(1)
-    return x_BHTK * cos_B1TK + _rotate_half(x_BHTK) * sin_B1TK
+def apply_rope(x_BTHK: Tensor, cos_BTK: Tensor, sin_BTK: Tensor) -> Tensor:
+    """Rotate query or key heads (HF's half-split convention, not interleaved pairs); heads stay in dim 2, the layout
+    the projections produce and varlen attention consumes."""
+    cos_BT1K, sin_BT1K = cos_BTK.unsqueeze(2), sin_BTK.unsqueeze(2)
+    return x_BTHK * cos_BT1K + _rotate_half(x_BTHK) * sin_BT1K

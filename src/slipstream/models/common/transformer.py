@@ -1,13 +1,15 @@
 """Decoder-only skeleton shared by the families: pre-norm blocks, token embedding, final norm and LM head.
 
-Legend: B = rows of a packed batch, T = tokens per row, D = hidden size, V = vocabulary, K = head dim.
+Legend: B = rows of a packed batch, T = tokens per row, D = hidden size, V = vocabulary, K = head dim,
+L = blocks that return an auxiliary loss (MoE blocks).
 """
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from slipstream.models.common.args import TransformerArgs
-from slipstream.models.common.attention import Attention
+from slipstream.models.common.attention import Attention, AttentionLayout, build_attention_layout
 from slipstream.models.common.norm import RMSNorm
 from slipstream.models.common.rope import rope_cos_sin
 
@@ -34,8 +36,8 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, x_BTD: Tensor, cos_BTK: Tensor, sin_BTK: Tensor, position_ids_BT: Tensor) -> Tensor:
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos_BTK, sin_BTK, position_ids_BT)
+    def forward(self, x_BTD: Tensor, cos_BTK: Tensor, sin_BTK: Tensor, layout: AttentionLayout) -> Tensor:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos_BTK, sin_BTK, layout)
         return x_BTD + self.mlp(self.mlp_norm(x_BTD))
 
     def init_weights(self, std: float) -> None:
@@ -45,12 +47,25 @@ class TransformerBlock(nn.Module):
         self.mlp.init_weights(std)
 
 
+class MoETransformerBlock(TransformerBlock):
+    """A block whose `mlp` returns (y, aux_loss) (common/moe.py): returns (x_BTD, aux_loss)."""
+
+    def forward(
+        self, x_BTD: Tensor, cos_BTK: Tensor, sin_BTK: Tensor, layout: AttentionLayout
+    ) -> tuple[Tensor, Tensor]:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos_BTK, sin_BTK, layout)
+        y_BTD, aux_loss = self.mlp(self.mlp_norm(x_BTD))
+        return x_BTD + y_BTD, aux_loss
+
+
 class DecoderLM(nn.Module):
     """Token embedding -> blocks -> final RMSNorm -> LM head, over packed rows (see common/attention.py).
 
     For the trainer: `forward_hidden` gives per-token hidden states and `lm_head_weight` the [V, D] matrix, so
     log-probs can be computed in chunks without materialising [tokens, V] logits; `forward` gives full logits.
     With tied embeddings there is no `lm_head` module: the head is `embed_tokens.weight` (one parameter, one key).
+    A block returns its output, or (output, aux_loss) when it has an auxiliary loss (MoE load balance): those are
+    collected by `forward_hidden_with_aux_loss`.
     """
 
     def __init__(self, args: TransformerArgs, layers: list[nn.Module]):
@@ -69,11 +84,27 @@ class DecoderLM(nn.Module):
 
     def forward_hidden(self, input_ids_BT: Tensor, position_ids_BT: Tensor) -> Tensor:
         """h_BTD: final-normed hidden states; samples of a row (position_ids restart at 0) never see each other."""
+        return self.forward_hidden_with_aux_loss(input_ids_BT, position_ids_BT)[0]
+
+    def forward_hidden_with_aux_loss(self, input_ids_BT: Tensor, position_ids_BT: Tensor) -> tuple[Tensor, Tensor]:
+        """(h_BTD, aux_loss_L): hidden states and the differentiable auxiliary losses of the blocks that have one
+        (empty for dense models); adding them to a loss is the caller's choice."""
         h_BTD = self.embed_tokens(input_ids_BT)
         cos_BTK, sin_BTK = rope_cos_sin(self.args.rope, self.args.head_dim, position_ids_BT, h_BTD.dtype)
+        device_type = h_BTD.device.type
+        autocast = torch.is_autocast_enabled(device_type)
+        layout = build_attention_layout(
+            position_ids_BT, torch.get_autocast_dtype(device_type) if autocast else h_BTD.dtype
+        )
+        aux_losses = []
         for layer in self.layers:
-            h_BTD = layer(h_BTD, cos_BTK, sin_BTK, position_ids_BT)
-        return self.norm(h_BTD)
+            out = layer(h_BTD, cos_BTK, sin_BTK, layout)
+            if isinstance(out, tuple):
+                out, aux_loss = out
+                aux_losses.append(aux_loss)
+            h_BTD = out
+        aux_loss_L = torch.stack(aux_losses) if aux_losses else h_BTD.new_zeros(0, dtype=torch.float32)
+        return self.norm(h_BTD), aux_loss_L
 
     def logits(self, h_BTD: Tensor) -> Tensor:
         """logits_BTV (in the hidden states' dtype) from `forward_hidden`'s output, or from any slice of it."""

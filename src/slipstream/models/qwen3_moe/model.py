@@ -3,40 +3,47 @@
 Legend: B = rows, T = tokens per row, D = hidden size, V = vocabulary, L = MoE layers, E = experts.
 """
 
-from torch import nn
+from torch import Tensor, nn
 
 from slipstream.models.common.mlp import SwiGLU
 from slipstream.models.common.moe import MoE, MoEStats, collect_moe_stats
-from slipstream.models.common.transformer import DecoderLM, TransformerBlock
+from slipstream.models.common.transformer import DecoderLM, MoETransformerBlock, TransformerBlock
 from slipstream.models.qwen3_moe.args import Qwen3MoeArgs
 
 
-def build_mlp(args: Qwen3MoeArgs, layer: int) -> nn.Module:
+def build_block(args: Qwen3MoeArgs, layer: int) -> nn.Module:
     if args.is_moe_layer(layer):
-        return MoE(
+        moe = MoE(
             args.hidden_size,
             args.moe_intermediate_size,
             args.num_experts,
             args.num_experts_per_tok,
             args.norm_topk_prob,
         )
-    return SwiGLU(args.hidden_size, args.intermediate_size)
+        return MoETransformerBlock(args, moe)
+    return TransformerBlock(args, SwiGLU(args.hidden_size, args.intermediate_size))
 
 
 class Qwen3Moe(DecoderLM):
     """Qwen3 blocks whose MLP is a routed MoE (`layers.{i}.mlp.router`, `layers.{i}.mlp.experts` with stacked
     [E, ...] weights) on the layers the config selects.
 
-    API (from DecoderLM): `forward_hidden`, `lm_head_weight`, `logits`, `forward`; plus `moe_stats()` for the
-    load-balance statistics of the last forward (never added to the loss by the model).
+    API (from DecoderLM): `forward_hidden`, `forward_hidden_with_aux_loss`, `lm_head_weight`, `logits`, `forward`;
+    plus `forward_with_aux_loss` (logits and the differentiable per-layer load-balance losses, never added to any
+    loss by the model) and `moe_stats()` (detached load-balance statistics of the last forward, for logging).
     Set `experts.use_grouped_mm = True` on each MoE layer (`set_grouped_mm`) to run experts via torch._grouped_mm.
     """
 
     def __init__(self, args: Qwen3MoeArgs):
-        super().__init__(args, [TransformerBlock(args, build_mlp(args, i)) for i in range(args.num_layers)])
+        super().__init__(args, [build_block(args, i) for i in range(args.num_layers)])
+
+    def forward_with_aux_loss(self, input_ids_BT: Tensor, position_ids_BT: Tensor) -> tuple[Tensor, Tensor]:
+        """(logits_BTV, aux_loss_L) for a packed batch."""
+        h_BTD, aux_loss_L = self.forward_hidden_with_aux_loss(input_ids_BT, position_ids_BT)
+        return self.logits(h_BTD), aux_loss_L
 
     def moe_stats(self) -> MoEStats:
-        """tokens_per_expert_LE, router_prob_mean_LE, aux_loss_L of the last forward (see common/moe.py)."""
+        """tokens_per_expert_LE, router_prob_mean_LE, aux_loss_L of the last forward (detached; common/moe.py)."""
         return collect_moe_stats(self)
 
     def set_grouped_mm(self, enabled: bool) -> None:

@@ -1,0 +1,94 @@
+"""Fused LM head: per-token log-probs (at each token's sampling temperature) and entropies of one chunk of hidden
+states, keeping no [C, V] tensor for backward. Forward reduces the chunk's logits to a few numbers per token;
+backward recomputes the logits and forms their gradient in one pass, then the two matmuls.
+
+The two [C, V] passes (`logit_stats`, `logits_grad`) are plain torch, the reference; on CUDA they run through
+torch.compile, where Inductor fuses the upcast, temperature, softmax and reductions so that only the logits (and
+their gradient) exist in the compute dtype, never a float32 [C, V] tensor.
+
+Legend: C = tokens of a chunk, D = hidden size, V = vocabulary.
+"""
+
+from collections.abc import Callable
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def logit_stats(logits_CV: Tensor, token_ids_C: Tensor, temperatures_C: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(logprobs_C, entropy_C, lse_C), float32, of softmax(logits / temperature); lse_C is what backward needs."""
+    z_CV = logits_CV.float() / temperatures_C.unsqueeze(-1)
+    lse_C = torch.logsumexp(z_CV, dim=-1)
+    logp_CV = z_CV - lse_C.unsqueeze(-1)
+    logprobs_C = logp_CV.gather(-1, token_ids_C.unsqueeze(-1)).squeeze(-1)
+    entropy_C = -(logp_CV.exp() * logp_CV).sum(-1)
+    return logprobs_C, entropy_C, lse_C
+
+
+def logits_grad(
+    logits_CV: Tensor, token_ids_C: Tensor, temperatures_C: Tensor, lse_C: Tensor, grad_logprobs_C: Tensor
+) -> Tensor:
+    """grad_logits_CV (logits' dtype) = grad_logprobs * (onehot(token) - softmax(z)) / temperature."""
+    inv_temperature_C1 = 1.0 / temperatures_C.unsqueeze(-1)
+    probs_CV = torch.exp(logits_CV.float() * inv_temperature_C1 - lse_C.unsqueeze(-1))
+    vocab_V = torch.arange(logits_CV.shape[-1], device=logits_CV.device)
+    onehot_CV = (vocab_V == token_ids_C.unsqueeze(-1)).float()
+    return ((onehot_CV - probs_CV) * (grad_logprobs_C.unsqueeze(-1) * inv_temperature_C1)).to(logits_CV.dtype)
+
+
+@cache
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn)
+
+
+def _kernel(fn: Callable, x: Tensor) -> Callable:
+    """The compiled `fn` for CUDA tensors with elements, else the reference."""
+    return _compiled(fn) if x.device.type == "cuda" and x.numel() > 0 else fn
+
+
+class _FusedLMHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_CD, weight_VD, bias_V, token_ids_C, temperatures_C, compute_dtype):
+        logits_CV = _logits(hidden_CD, weight_VD, bias_V, compute_dtype)
+        logprobs_C, entropy_C, lse_C = _kernel(logit_stats, logits_CV)(logits_CV, token_ids_C, temperatures_C)
+        ctx.save_for_backward(hidden_CD, weight_VD, bias_V, token_ids_C, temperatures_C, lse_C)
+        ctx.compute_dtype = compute_dtype
+        ctx.mark_non_differentiable(entropy_C)  # entropy is logged, never trained on
+        return logprobs_C, entropy_C
+
+    @staticmethod
+    def backward(ctx, grad_logprobs_C, _grad_entropy_C):
+        hidden_CD, weight_VD, bias_V, token_ids_C, temperatures_C, lse_C = ctx.saved_tensors
+        dtype = ctx.compute_dtype
+        hidden_c, weight_c = hidden_CD.to(dtype), weight_VD.to(dtype)
+        logits_CV = _logits(hidden_c, weight_c, bias_V, dtype)
+        grad = _kernel(logits_grad, logits_CV)(logits_CV, token_ids_C, temperatures_C, lse_C, grad_logprobs_C)
+        del logits_CV
+        grad_hidden = (grad @ weight_c).to(hidden_CD.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = (grad.T @ hidden_c).to(weight_VD.dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = grad.sum(0).to(bias_V.dtype) if bias_V is not None and ctx.needs_input_grad[2] else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def _logits(hidden_CD: Tensor, weight_VD: Tensor, bias_V: Tensor | None, dtype: torch.dtype) -> Tensor:
+    with torch.autocast(hidden_CD.device.type, enabled=False):
+        bias_V = None if bias_V is None else bias_V.to(dtype)
+        return F.linear(hidden_CD.to(dtype), weight_VD.to(dtype), bias_V)
+
+
+def lm_head_logprobs(
+    hidden_CD: Tensor, weight_VD: Tensor, bias_V: Tensor | None, token_ids_C: Tensor, temperatures_C: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(logprobs_C, entropy_C), float32, of token_ids_C under softmax((hidden @ W^T + b) / temperature).
+
+    The matmul runs in the autocast dtype when autocast is on (as inference computes its logits), else in the
+    inputs' dtype; the softmax is float32. Gradients flow to hidden, W and b through logprobs_C only.
+    """
+    device_type = hidden_CD.device.type
+    if torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        compute_dtype = torch.promote_types(hidden_CD.dtype, weight_VD.dtype)
+    return _FusedLMHead.apply(hidden_CD, weight_VD, bias_V, token_ids_C, temperatures_C, compute_dtype)
