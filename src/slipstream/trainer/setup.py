@@ -136,8 +136,10 @@ def maybe_resume(trainer: Trainer, config: TrainerConfig) -> None:
 
 
 def teardown_trainer(trainer: Trainer) -> None:
-    """Leave the process group if setup_trainer created it."""
+    """Leave the process group if setup_trainer created it. All ranks meet first: a rank that tears gloo down while a
+    peer still has traffic in flight makes that peer abort ("terminate called without an active exception")."""
     if trainer.owns_process_group and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
