@@ -1,5 +1,5 @@
 """Streamed chat completions: vLLM 0.32's chunk format (recorded from a real server), per-token version stamps,
-completeness checks, and SSE decoding in the client."""
+completeness checks, tool-call deltas assembled into one message, and SSE decoding in the client."""
 
 import asyncio
 import json
@@ -133,3 +133,41 @@ def test_client_decodes_server_sent_events():
         stream_with(sse([RECORDED[0], error]))
     with pytest.raises(InferenceError, match="HTTP 400.*bad"):
         stream_with(b'{"error": "bad"}', status=400)
+
+
+def test_streamed_tool_call_deltas_assemble_into_a_message():
+    chat = StreamedChat(1, lambda: 3, "here")
+    chat.add({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}], "prompt_token_ids": [1, 2]})
+    deltas = [
+        {"content": "ok", "reasoning": "think"},
+        {"tool_calls": [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "calc"}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"expression": '}}]},
+        {
+            "tool_calls": [
+                {"index": 0, "function": {"arguments": '"1+1"}'}},
+                {"index": 1, "id": "call_b", "function": {"name": "calc", "arguments": "{}"}},
+            ]
+        },  # fmt: skip
+    ]
+    for i, delta in enumerate(deltas):
+        entry = {"logprob": -0.5}
+        finish = "tool_calls" if i == len(deltas) - 1 else None
+        choice = {"index": 0, "delta": delta, "logprobs": {"content": [entry]}, "token_ids": [10 + i]}
+        chat.add({"choices": [choice | {"finish_reason": finish}]})
+    chat.add({"choices": [], "usage": {"completion_tokens": 4}})
+    turn = chat.model_turn("t")
+    assert turn.message == {
+        "role": "assistant",
+        "content": "ok",
+        "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "calc", "arguments": '{"expression": "1+1"}'}},
+            {"id": "call_b", "type": "function", "function": {"name": "calc", "arguments": "{}"}},
+        ],
+        "reasoning_content": "think",
+    }
+    assert (turn.prompt_token_ids, turn.completion_token_ids, turn.completion_versions) == (
+        [1, 2],
+        [10, 11, 12, 13],
+        [3] * 4,
+    )
+    assert turn.finish_reason == "tool_calls"

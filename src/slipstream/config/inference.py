@@ -42,6 +42,12 @@ class InferenceConfig(BaseConfig):
     cpu_threads_bind: str = "auto"
     """OpenMP thread binding of the CPU build (VLLM_CPU_OMP_THREADS_BIND), e.g. `auto` or `0-1`."""
 
+    tool_call_parser: str | None = None
+    """vLLM tool-call parser for environments with tools (e.g. `hermes` for models that emit
+    `<tool_call>{json}</tool_call>`, as the Qwen2.5 and Qwen3 chat templates do): starts vLLM with
+    `--enable-auto-tool-choice --tool-call-parser <name>`, so assistant replies carry OpenAI `tool_calls`.
+    None: off; vLLM then refuses requests that offer tools, so tool environments need a parser."""
+
     extra_args: list[str] = []
     """Extra command-line arguments appended to the vLLM server command, e.g. `["--max-num-batched-tokens", "4096"]`."""
 

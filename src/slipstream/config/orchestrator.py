@@ -97,6 +97,55 @@ class ConcurrencyConfig(BaseConfig):
         return self
 
 
+class OnlineEvalConfig(BaseConfig):
+    """Evaluation of the served policy on the environment's held-out split while training runs.
+
+    The policy of version 0 (before training), every `interval`-th version and the final one are evaluated.
+    Evaluation requests run beside rollouts, within a share of the in-flight limit, and never enter training
+    batches. While an evaluation runs the served policy stays fixed (weight updates wait for it, at most
+    `timeout_s`), so every sample of an evaluation comes from the version it is reported for. Results go into
+    `<output_dir>/eval/online.jsonl` and into the metrics of a later batch, one evaluation per batch, oldest
+    first (`eval/reward_mean`, `eval/pass@k`, `eval/policy_version`, ...; so into metrics.jsonl at that batch's
+    step, not at the evaluated version's). Evaluations that end after the last batch, such as the final one, are
+    only in online.jsonl. An evaluation running when the last batch is written finishes before the final policy is
+    loaded and evaluated.
+    Requests are unseeded: a CPU vLLM build with chunked prefill (the training server's default) crashes on
+    seeded requests (see slipstream.eval.server); pass@k and the mean are then estimates with sampling noise.
+    """
+
+    interval: int = Field(0, ge=0)
+    """Evaluate every `interval` policy versions (trainer steps), plus before training and at the end.
+    0: no online evaluation."""
+
+    split: str = "eval"
+    """Environment split to evaluate on (held-out tasks are in `eval`)."""
+
+    num_tasks: int | None = Field(None, ge=1)
+    """Evaluate the first `num_tasks` tasks of the split. None: all of them."""
+
+    num_samples: int = Field(1, ge=1)
+    """Samples (rollouts) per task; pass@k is reported for k = 1, 2, 4, ... below it, and it."""
+
+    pass_threshold: float = 1.0
+    """A sample counts as solved for pass@k when its reward is >= this."""
+
+    sampling: SamplingConfig | None = None
+    """Sampling of evaluation requests. None: the rollouts' `sampling`."""
+
+    max_share: float = Field(0.25, gt=0.0, le=1.0)
+    """Most evaluation completions in flight, as a share of the in-flight limit (concurrency), at least 1.
+    They count against that limit, so rollouts get the rest. The final evaluation, after the last batch, uses
+    the whole limit."""
+
+    timeout_s: float = Field(1800.0, gt=0.0)
+    """An evaluation still running after this many seconds is cancelled, logged and counted
+    (`eval/num_timeouts`), so weight updates are never held back longer. Lower num_tasks/num_samples if it hits."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval > 0
+
+
 class OrchestratorConfig(BaseConfig):
     """Drives rollouts against inference and writes training batches."""
 
@@ -161,8 +210,15 @@ class OrchestratorConfig(BaseConfig):
     advantage: AdvantageConfig = AdvantageConfig()
     weight_check: WeightCheckConfig = WeightCheckConfig()
 
+    eval: OnlineEvalConfig = OnlineEvalConfig()
+    """Online evaluation on held-out tasks during training (off unless `eval.interval` > 0)."""
+
     request_timeout_s: float = Field(600.0, gt=0.0)
-    """Timeout of one inference request."""
+    """Timeout of one inference request (for multi-turn environments: of one model turn)."""
+
+    rollout_timeout_s: float | None = Field(None, gt=0.0)
+    """Multi-turn environments: wall-clock budget of one rollout (model turns and environment work); a rollout
+    that exceeds it fails (counted, excluded from training). None: the environment's own budget."""
 
     weights_timeout_s: float = Field(3600.0, gt=0.0)
     """How long to wait for the trainer to publish the weights a step needs."""

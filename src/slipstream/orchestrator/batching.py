@@ -32,7 +32,8 @@ class Sample:
 
 
 def build_sample(rollout: Rollout, temperature: float) -> Sample:
-    """Prompt tokens carry no loss; completion tokens carry the rollout's advantage, logprob and temperature."""
+    """A single-turn rollout's sample: prompt tokens carry no loss; completion tokens carry the rollout's advantage,
+    logprob and temperature."""
     num_prompt, num_completion = len(rollout.prompt_token_ids), len(rollout.completion_token_ids)
     if len(rollout.completion_logprobs) != num_completion:
         raise ValueError(
@@ -45,6 +46,28 @@ def build_sample(rollout: Rollout, temperature: float) -> Sample:
         inference_logprobs=[0.0] * num_prompt + list(rollout.completion_logprobs),
         temperatures=[1.0] * num_prompt + [temperature] * num_completion,
     )
+
+
+def build_samples(rollout: Rollout, temperature: float) -> list[Sample]:
+    """The samples of a rollout. Multi-turn: its token-exact samples, where only model tokens (loss_mask) carry the
+    rollout's advantage, logprob and temperature, and environment tokens are masked."""
+    if rollout.samples is None:
+        return [build_sample(rollout, temperature)]
+    samples = []
+    for s in rollout.samples:
+        mask = list(s.loss_mask)
+        if not len(s.token_ids) == len(mask) == len(s.logprobs):
+            raise ValueError(f"task {rollout.task.id}: a multi-turn sample has token arrays of different lengths")
+        samples.append(
+            Sample(
+                input_ids=list(s.token_ids),
+                loss_mask=mask,
+                advantages=[rollout.advantage if m else 0.0 for m in mask],
+                inference_logprobs=[lp if m else 0.0 for lp, m in zip(s.logprobs, mask, strict=True)],
+                temperatures=[temperature if m else 1.0 for m in mask],
+            )
+        )
+    return samples
 
 
 def pack_samples(samples: Sequence[Sample], micro_batch_tokens: int) -> list[list[Sample]]:
@@ -126,7 +149,12 @@ def build_training_batches(
     metrics: dict[str, float],
 ) -> list[TrainingBatch]:
     """One TrainingBatch per rank; `num_loss_tokens` counts the loss tokens of the whole step."""
-    samples = [build_sample(r, temperature) for r in rollouts]
+    samples = [sample for r in rollouts for sample in build_samples(r, temperature)]
+    if not samples:
+        raise ValueError(
+            f"step {step}: no tokens to train on; every rollout ended before its first model turn "
+            "(does the task prompt exceed inference.max_model_len?)"
+        )
     per_rank = distribute(pack_samples(samples, micro_batch_tokens), num_ranks)
     num_loss_tokens = sum(s.num_loss_tokens for s in samples)
     return [

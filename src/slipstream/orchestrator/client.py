@@ -7,6 +7,7 @@ Cancelling a streamed request closes its connection, and vLLM aborts a request w
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -22,6 +23,25 @@ LOAD_WEIGHTS_METHOD = "slipstream_load_weights"
 
 class InferenceError(RuntimeError):
     """The inference server answered with an error or with a response Slipstream cannot use."""
+
+
+class ContextLengthError(InferenceError):
+    """The server refused a request whose prompt leaves no room in the model's context window (HTTP 400)."""
+
+
+_CONTEXT_LENGTH_RE = re.compile(r"maximum context length|maximum model length", re.IGNORECASE)
+"""vLLM 0.32's wordings of a prompt too long for max_model_len (renderers/params.py, v1/engine/input_processor.py)."""
+
+
+def request_error(where: str, status: int, text: str) -> InferenceError:
+    """The error of a refused request: ContextLengthError for a prompt that fills the context, hints for known
+    misconfigurations, InferenceError otherwise."""
+    message = f"POST {where} returned HTTP {status}: {text[:1000]}"
+    if status == 400 and _CONTEXT_LENGTH_RE.search(text):
+        return ContextLengthError(message)
+    if "--enable-auto-tool-choice" in text:
+        message += "; the environment offers tools: set inference.tool_call_parser (e.g. 'hermes')"
+    return InferenceError(message)
 
 
 @dataclass(frozen=True)
@@ -60,9 +80,7 @@ class InferenceClient:
         except httpx.HTTPError as e:
             raise InferenceError(f"POST {self.base_url}{path} failed: {type(e).__name__}: {e}") from e
         if response.status_code != 200:
-            raise InferenceError(
-                f"POST {self.base_url}{path} returned HTTP {response.status_code}: {response.text[:1000]}"
-            )
+            raise request_error(f"{self.base_url}{path}", response.status_code, response.text)
         return response.json() if response.content else None
 
     async def get_text(self, path: str) -> str:
@@ -127,7 +145,7 @@ class InferenceClient:
             async with self._http.stream("POST", "/v1/chat/completions", json=body) as response:
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")
-                    raise InferenceError(f"POST {where} returned HTTP {response.status_code}: {text[:1000]}")
+                    raise request_error(where, response.status_code, text)
                 async for chunk in _sse_chunks(response, where):
                     yield chunk
         except httpx.HTTPError as e:

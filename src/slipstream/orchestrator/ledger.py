@@ -1,5 +1,6 @@
 """Bookkeeping of rollout groups, free of I/O: in flight -> finished (buffer) -> taken into a batch, or cancelled
-in flight / dropped from the buffer when their oldest token is too old for the next batch. Counters are exact.
+in flight / dropped from the buffer when their oldest token is too old for the next batch, or failed (too few of
+its rollouts survived their environment). Counters are exact.
 
 Batch n (1-based) may hold no token older than version n - 1 - max_off_policy_steps. Batches are assembled in
 order from the buffer, first finished first, so the next batch is the earliest any group can still join.
@@ -9,23 +10,33 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from slipstream.envs.base import Task
 from slipstream.orchestrator.rollouts import Rollout
-from slipstream.orchestrator.streaming import StreamedChat
+
+
+class TokenProgress(Protocol):
+    """A group's generation in progress (a StreamedChat, or the turns of multi-turn rollouts)."""
+
+    @property
+    def oldest_version(self) -> int | None:
+        """Version of the oldest token received so far; None before the first."""
+        ...
 
 
 @dataclass(eq=False)
 class Group:
-    """One task's group of rollouts (one request for `group_size` completions)."""
+    """One task's group of rollouts (one request for `group_size` completions, or `group_size` multi-turn
+    rollouts)."""
 
     index: int
     """Dispatch order (0-based); also the task's position in the sampler's stream."""
     task: Task
     request_version: int
     """Policy version served when the request was sent (its cache_salt's version)."""
-    stream: StreamedChat | None = None
-    """The streamed reply so far (version_tracking = "stream")."""
+    stream: TokenProgress | None = None
+    """The streamed tokens so far (version_tracking = "stream"; for multi-turn environments in any mode)."""
     rollouts: list[Rollout] | None = None
     """Set once the group has finished and been scored."""
     handle: asyncio.Task | None = None
@@ -61,6 +72,8 @@ class GroupLedger:
         """Finished groups discarded because their oldest token became too old."""
         self.num_abandoned = 0
         """Groups left when the run ended: cancelled in flight, or finished but not needed (not counted as stale)."""
+        self.num_failed = 0
+        """Groups discarded because fewer than two of their rollouts survived (environment errors)."""
 
     @property
     def min_version(self) -> int:
@@ -87,6 +100,12 @@ class GroupLedger:
             return False
         self.finished.append(group)
         return True
+
+    def fail(self, group: Group) -> None:
+        """Forget a group in flight that cannot train (too few rollouts survived); counted as failed."""
+        del self.in_flight[group.index]
+        group.stream = None
+        self.num_failed += 1
 
     def sweep(self) -> list[Group]:
         """After a batch was taken: drop too-old finished groups, and return (and forget) too-old groups in

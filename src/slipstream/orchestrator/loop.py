@@ -5,10 +5,11 @@ the next batch is not ready: too few finished groups, or the served policy too o
 """
 
 import asyncio
+from itertools import groupby
 
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.envs.registry import build_env
-from slipstream.orchestrator.advantages import compute_advantages, count_zero_advantage_groups
+from slipstream.orchestrator.advantages import group_advantages
 from slipstream.orchestrator.batching import build_training_batches, write_training_batches
 from slipstream.orchestrator.client import InferenceClient
 from slipstream.orchestrator.metrics import progress_line, rollout_metrics
@@ -41,19 +42,28 @@ async def orchestrate(config: OrchestratorConfig) -> dict[str, float]:
         print(
             f"[orchestrator] done: {summary['pipeline/dispatched_groups']:.0f} groups started, "
             f"{summary['pipeline/cancelled_groups']:.0f} cancelled and {summary['pipeline/dropped_groups']:.0f} "
-            f"dropped as too old, {summary['pipeline/abandoned_groups']:.0f} left over at the end",
+            f"dropped as too old, {summary['pipeline/failed_groups']:.0f} dropped for failed rollouts "
+            f"({summary['pipeline/failed_rollouts']:.0f} rollouts failed in their environment), "
+            f"{summary['pipeline/abandoned_groups']:.0f} left over at the end",
             flush=True,
         )
         await relay.load_final(config.max_steps)
+        if pipeline.evaluator is not None:
+            await pipeline.evaluator.final(config.max_steps)
         return summary
 
 
 def assign_advantages(step: int, rollouts: list[Rollout], config: OrchestratorConfig) -> dict[str, float]:
-    """Set each rollout's GRPO advantage; return the step's rollout metrics."""
-    advantages = compute_advantages([r.reward for r in rollouts], config.group_size, config.advantage.std_normalize)
-    for rollout, advantage in zip(rollouts, advantages, strict=True):
-        rollout.advantage = advantage
-    return rollout_metrics(step, rollouts, count_zero_advantage_groups(advantages, config.group_size))
+    """Set each rollout's GRPO advantage within its group (consecutive rollouts of one `group_index`; a multi-turn
+    group may have lost failed rollouts); return the step's rollout metrics."""
+    num_zero_adv_groups = 0
+    for _, members in groupby(rollouts, key=lambda r: r.group_index):
+        group = list(members)
+        advantages = group_advantages([r.reward for r in group], config.advantage.std_normalize)
+        for rollout, advantage in zip(group, advantages, strict=True):
+            rollout.advantage = advantage
+        num_zero_adv_groups += all(a == 0.0 for a in advantages)
+    return rollout_metrics(step, rollouts, num_zero_adv_groups)
 
 
 def write_step(step: int, rollouts: list[Rollout], config: OrchestratorConfig, metrics: dict[str, float]) -> None:

@@ -15,7 +15,7 @@ def rollout_metrics(step: int, rollouts: Sequence[Rollout], num_zero_adv_groups:
     """
     rewards = np.asarray([r.reward for r in rollouts], dtype=np.float64)
     completion_lens = np.asarray([len(r.completion_token_ids) for r in rollouts], dtype=np.float64)
-    seq_lens = completion_lens + np.asarray([len(r.prompt_token_ids) for r in rollouts], dtype=np.float64)
+    seq_lens = np.asarray([r.num_tokens for r in rollouts], dtype=np.float64)
     oldest = min(r.oldest_version for r in rollouts)
     newest = max(r.newest_version for r in rollouts)
     token_versions = np.asarray([v for r in rollouts for v in r.token_versions], dtype=np.float64)
@@ -34,7 +34,30 @@ def rollout_metrics(step: int, rollouts: Sequence[Rollout], num_zero_adv_groups:
         "batch/multi_version_rollouts": float(sum(r.oldest_version != r.newest_version for r in rollouts)),
         "batch/zero_adv_groups": float(num_zero_adv_groups),
         "batch/num_rollouts": float(len(rollouts)),
+        **multi_turn_metrics(rollouts),
     }
+
+
+def multi_turn_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
+    """Turns, prefix breaks, samples, stop reasons and the environment's named reward metrics (mean per name) of
+    multi-turn rollouts; {} for single-turn ones."""
+    multi = [r for r in rollouts if r.samples is not None]
+    if not multi:
+        return {}
+    metrics = {
+        "rollout/num_turns_mean": float(np.mean([r.num_turns for r in multi])),
+        "rollout/num_turns_max": float(max(r.num_turns for r in multi)),
+        "rollout/num_prefix_breaks": float(sum(r.num_prefix_breaks for r in multi)),
+        "batch/num_samples": float(sum(len(r.samples or []) for r in multi)),
+    }
+    for reason in sorted({r.stop_reason for r in multi}):
+        metrics[f"rollout/stop/{reason}"] = float(sum(r.stop_reason == reason for r in multi))
+    values: dict[str, list[float]] = {}
+    for r in multi:
+        for name, value in r.reward_metrics.items():
+            values.setdefault(name, []).append(float(value))
+    metrics |= {f"env/{name}": float(np.mean(v)) for name, v in sorted(values.items())}
+    return metrics
 
 
 def progress_line(step: int, max_steps: int, metrics: dict[str, float]) -> str:

@@ -7,7 +7,13 @@ Which groups may start: batch n needs policy >= n - 1 - max_async_level, so with
 batches up to v + 1 + max_async_level are started. With max_async_level >= 1, while the trainer waits for batches
 (it was waiting when the last one was taken: inference is the bottleneck), `spare_batches` of spare groups start
 too: a batch then takes the first groups to finish and slow ones carry over. With max_async_level = 0 exactly the
-current batch's groups start, so every batch is on-policy. The in-flight limit (concurrency) bounds them all.
+current batch's groups start, so every batch is on-policy. The in-flight limit (concurrency) bounds them all,
+online evaluation requests included (online_eval.py).
+
+Single-turn environments: one request for `group_size` completions per group. Multi-turn (tool-using)
+environments: `group_size` concurrent rollouts through `run_rollout`, one request per model turn (multiturn.py);
+a rollout that fails inside its environment is counted and left out, and a group with fewer than two survivors is
+dropped and counted.
 """
 
 import asyncio
@@ -17,10 +23,12 @@ from contextlib import asynccontextmanager
 from typing import Any, Literal
 
 from slipstream.config.orchestrator import OrchestratorConfig
-from slipstream.envs.base import Environment, score
+from slipstream.envs.base import AnyEnvironment, is_multi_turn, score
 from slipstream.orchestrator.client import InferenceClient, InferenceError
 from slipstream.orchestrator.concurrency import InFlightLimit, parse_server_load
 from slipstream.orchestrator.ledger import Group, GroupLedger, Signal
+from slipstream.orchestrator.multiturn import RolloutFailures, TurnProgress, TurnRequester, play_group
+from slipstream.orchestrator.online_eval import OnlineEvaluator, SharedLimiter
 from slipstream.orchestrator.rollouts import Rollout, cache_salt, parse_chat_response, sampling_params
 from slipstream.orchestrator.sampler import TaskSampler
 from slipstream.orchestrator.streaming import StreamedChat
@@ -34,7 +42,7 @@ class RolloutPipeline:
     def __init__(
         self,
         client: InferenceClient,
-        env: Environment,
+        env: AnyEnvironment,
         sampler: TaskSampler,
         relay: WeightRelay,
         config: OrchestratorConfig,
@@ -53,20 +61,38 @@ class RolloutPipeline:
         the step before): then inference is the bottleneck and spare groups pay off; otherwise they would only wait
         in the buffer and age."""
         self._cancelled: list[asyncio.Task] = []
+        self.multi_turn = is_multi_turn(env)
+        self.failures = RolloutFailures(config.group_size)
+        self.turns = TurnRequester(
+            client,
+            sampling_params(config.sampling),
+            config.request_timeout_s,
+            stream=config.version_tracking == "stream",
+            ready=self._turn_version,
+            version_now=lambda: relay.served_version,
+        )
+        self.eval_limiter = SharedLimiter(config.eval.max_share, lambda: self.limit.limit, self.signal)
+        self.evaluator = OnlineEvaluator(client, env, config, relay, self.eval_limiter) if config.eval.enabled else None
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator["RolloutPipeline"]:
-        """Run dispatch, the weight watcher and (adaptive) the load poller; on exit, stop them and cancel the
-        groups still in flight. A background failure is raised by the next wait, or here."""
+        """Run dispatch, the weight watcher, (adaptive) the load poller and (online eval) the evaluator; on exit,
+        stop them, cancel the groups still in flight and, after a clean run, let a running evaluation finish. A
+        background failure is raised by the next wait, or here."""
         watcher = asyncio.create_task(self._guard(self.relay.watch(lambda: self.ledger.num_batches)))
         background: list[Coroutine[Any, Any, None]] = [self._dispatch_loop()]
         if self.config.concurrency.mode == "adaptive":
             background.append(self._poll_server_load())
         cancellable = [asyncio.create_task(self._guard(coro)) for coro in background]
+        evaluations = None
+        if self.evaluator is not None:
+            evaluations = asyncio.create_task(self._guard(self.evaluator.run(self._wait)))
+        clean = False
         try:
             yield self
+            clean = True
         finally:
-            await self._shutdown(watcher, cancellable)
+            await self._shutdown(watcher, cancellable, evaluations, finish_evaluation=clean)
         if self.error is not None:
             raise self.error
 
@@ -98,6 +124,7 @@ class RolloutPipeline:
             "timing/weight_update_s": 0.0,
             **self.relay.take_metrics(),
             **self.counters(),
+            **(self.evaluator.take_metrics() if self.evaluator is not None else {}),
         }
         return [r for g in groups for r in g.rollouts], metrics
 
@@ -108,10 +135,13 @@ class RolloutPipeline:
             "pipeline/dispatched_groups": float(ledger.num_dispatched),
             "pipeline/cancelled_groups": float(ledger.num_cancelled),
             "pipeline/dropped_groups": float(ledger.num_dropped),
+            "pipeline/failed_groups": float(ledger.num_failed),
             "pipeline/in_flight_groups": float(len(ledger.in_flight)),
             "pipeline/buffered_groups": float(len(ledger.finished)),
             "pipeline/concurrency_limit": float(self.limit.limit),
             "pipeline/concurrency_backoffs": float(self.limit.num_backoffs),
+            "pipeline/eval_in_flight": float(self.eval_limiter.in_flight),
+            **self.failures.counters(),
         }
 
     async def _wait(self, predicate: Any) -> None:
@@ -140,10 +170,15 @@ class RolloutPipeline:
         num_spare = self.num_spare if self._trainer_waited else 0
         if self.ledger.quota(last_allowed, num_spare) <= 0:
             return "hold"
-        in_flight = len(self.ledger.in_flight) * self.group_size
-        if in_flight and in_flight + self.group_size > self.limit.limit:
+        in_flight = self._num_in_flight()
+        if self.ledger.in_flight and in_flight + self.group_size > self.limit.limit:
             return "limit"
         return "go"
+
+    def _num_in_flight(self) -> int:
+        """Completions in flight: `group_size` per group (a multi-turn group has at most one request per rollout
+        in flight) plus evaluation requests."""
+        return len(self.ledger.in_flight) * self.group_size + self.eval_limiter.in_flight
 
     def _may_dispatch(self) -> bool:
         state = self._dispatch_state()
@@ -158,7 +193,9 @@ class RolloutPipeline:
     def _dispatch(self) -> None:
         index = self.ledger.num_dispatched
         group = Group(index=index, task=self.sampler.task_at(index), request_version=self.relay.served_version)
-        if self.config.version_tracking == "stream":
+        if self.multi_turn:
+            group.stream = TurnProgress()
+        elif self.config.version_tracking == "stream":
             where = f"{self.client.base_url}/v1/chat/completions (stream, task {group.task.id})"
             group.stream = StreamedChat(self.group_size, lambda: self.relay.served_version, where)
         self.ledger.start(group)
@@ -166,22 +203,51 @@ class RolloutPipeline:
 
     async def _run_group(self, group: Group) -> None:
         try:
-            async with asyncio.timeout(self.config.request_timeout_s):
-                rollouts = await self._generate(group)
-            rewards = await asyncio.gather(*(score(self.env, group.task, r.completion_text) for r in rollouts))
+            rollouts = await (self._play_multi_turn(group) if self.multi_turn else self._play_single_turn(group))
         except asyncio.CancelledError:
             raise
-        except TimeoutError:
-            timeout = self.config.request_timeout_s
-            self._fail(InferenceError(f"task {group.task.id}: no complete reply within request_timeout_s = {timeout}s"))
-            return
         except Exception as e:
             self._fail(e)
             return
+        if rollouts is None:
+            self.ledger.fail(group)
+        else:
+            self.ledger.finish(group, rollouts)
+        self.signal.notify()
+
+    async def _play_single_turn(self, group: Group) -> list[Rollout]:
+        """One request for the group's completions, each scored by the environment."""
+        try:
+            async with asyncio.timeout(self.config.request_timeout_s):
+                rollouts = await self._generate(group)
+        except TimeoutError:
+            timeout = self.config.request_timeout_s
+            raise InferenceError(
+                f"task {group.task.id}: no complete reply within request_timeout_s = {timeout}s"
+            ) from None
+        rewards = await asyncio.gather(*(score(self.env, group.task, r.completion_text) for r in rollouts))
         for rollout, reward in zip(rollouts, rewards, strict=True):
             rollout.reward = reward
-        self.ledger.finish(group, rollouts)
-        self.signal.notify()
+            rollout.group_index = group.index
+        return rollouts
+
+    async def _play_multi_turn(self, group: Group) -> list[Rollout] | None:
+        """The group's rollouts through the environment; None when fewer than two survived."""
+        progress = group.stream
+        assert isinstance(progress, TurnProgress)  # set by _dispatch
+        outcomes = await play_group(
+            self.env,
+            group.task,
+            self.group_size,
+            lambda: self.turns.model_fn(group.task, progress),
+            self.config.rollout_timeout_s,
+        )
+        return self.failures.survivors(group.task, outcomes, group.index, group.request_version)
+
+    async def _turn_version(self) -> int:
+        """Wait until no weight update is in progress (new requests carry the new version); the served version."""
+        await self._wait(lambda: not self.relay.updating)
+        return self.relay.served_version
 
     async def _generate(self, group: Group) -> list[Rollout]:
         """Send the group's request and parse its completions, each token with its policy version."""
@@ -217,7 +283,7 @@ class RolloutPipeline:
                 continue
             saturated = self._limit_was_binding or self._dispatch_state() == "limit"
             self._limit_was_binding = False
-            self.limit.observe(load, saturated, in_flight=len(self.ledger.in_flight) * self.group_size)
+            self.limit.observe(load, saturated, in_flight=self._num_in_flight())
             self.signal.notify()
 
     def _cancel(self, groups: list[Group]) -> None:
@@ -227,11 +293,23 @@ class RolloutPipeline:
             group.handle.cancel()
             self._cancelled.append(group.handle)
 
-    async def _shutdown(self, watcher: asyncio.Task, cancellable: list[asyncio.Task]) -> None:
+    async def _shutdown(
+        self,
+        watcher: asyncio.Task,
+        cancellable: list[asyncio.Task],
+        evaluations: asyncio.Task | None,
+        finish_evaluation: bool,
+    ) -> None:
         """Stop dispatch and polling, let the weight watcher finish any update (never leave inference paused),
-        and cancel the groups still in flight."""
+        cancel the groups still in flight, and let a running evaluation finish (after a clean run) or cancel it."""
         self.relay.stop()
         for task in cancellable:
             task.cancel()
         self._cancel(self.ledger.abandon_all())
-        await asyncio.gather(watcher, *cancellable, *self._cancelled, return_exceptions=True)
+        if evaluations is not None:
+            if finish_evaluation and self.error is None:
+                self.evaluator.stop()  # type: ignore[union-attr]  # evaluations run only with an evaluator
+            else:
+                evaluations.cancel()
+        tasks = [watcher, *cancellable, *self._cancelled, *([evaluations] if evaluations is not None else [])]
+        await asyncio.gather(*tasks, return_exceptions=True)

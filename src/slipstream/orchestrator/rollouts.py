@@ -1,15 +1,17 @@
-"""Rollouts: one sampled completion with its token ids, log-probs and the policy version of every token, and the
-parsing of whole (non-streamed) chat replies. Token ids and log-probs are taken verbatim from the server.
+"""Rollouts: one sampled completion (or one multi-turn conversation) with its token ids, log-probs and the policy
+version of every token, and the parsing of whole (non-streamed) chat replies. Token ids and log-probs are taken
+verbatim from the server.
 
 Completion text is used only for rewards; training tokens are never re-tokenized.
 """
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from slipstream.config.orchestrator import SamplingConfig
 from slipstream.envs.base import Task
+from slipstream.envs.tokens import TrainingSample
 from slipstream.orchestrator.client import InferenceError
 
 MISSING_LOGPROB = -9999.0
@@ -18,10 +20,15 @@ MISSING_LOGPROB = -9999.0
 
 @dataclass
 class Rollout:
-    """One sampled completion of a task, with what the trainer needs."""
+    """One sampled completion of a task, or one multi-turn rollout, with what the trainer needs.
+
+    Multi-turn: the completion fields hold every model-generated token, turn after turn, and `samples` the
+    token-exact training sequences (environment tokens masked; see slipstream.envs.tokens).
+    """
 
     task: Task
     prompt_token_ids: list[int]
+    """Token ids of the (first turn's) prompt."""
     completion_token_ids: list[int]
     completion_logprobs: list[float]
     """Inference log-prob of each completion token, at the sampling temperature."""
@@ -29,10 +36,29 @@ class Rollout:
     token_versions: list[int]
     """Policy version that produced each completion token (non-decreasing)."""
     request_version: int
-    """Policy version served when the request was sent: no token is older."""
+    """Policy version served when the (first) request was sent: no token is older."""
     finish_reason: str | None = None
     reward: float = 0.0
     advantage: float = 0.0
+    group_index: int = 0
+    """Dispatch index of the rollout's group: advantages are computed within a group."""
+    samples: list[TrainingSample] | None = None
+    """Multi-turn: the training samples (one per prefix break + 1). None: one sample, prompt + completion."""
+    num_turns: int = 1
+    """Model turns of the rollout."""
+    num_prefix_breaks: int = 0
+    """Turns whose prompt did not extend the previous turn's tokens (each starts a new sample)."""
+    stop_reason: str | None = None
+    """Multi-turn: why the rollout ended ("env_done", "max_turns", "context_length", ...)."""
+    reward_metrics: dict[str, float] = field(default_factory=dict)
+    """Named metrics the environment logged with the reward (multi-turn environments)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the rollout trains on: its samples' tokens (prompt + completion for a single turn)."""
+        if self.samples is not None:
+            return sum(len(s.token_ids) for s in self.samples)
+        return len(self.prompt_token_ids) + len(self.completion_token_ids)
 
     @property
     def oldest_version(self) -> int:

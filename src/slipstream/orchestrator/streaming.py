@@ -12,8 +12,10 @@ later tokens are still stamped with the new version (the in-flight-update approx
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from slipstream.envs.base import Task
+from slipstream.envs.base import Message, Task
+from slipstream.envs.rollout import ModelTurn
 from slipstream.orchestrator.client import InferenceError
 from slipstream.orchestrator.rollouts import MISSING_LOGPROB, Rollout
 
@@ -24,7 +26,38 @@ class _Choice:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Tool calls assembled from their streamed deltas, by the call's index."""
     finish_reason: str | None = None
+
+    def add_tool_call_deltas(self, deltas: list[dict[str, Any]], where: str) -> None:
+        """Merge vLLM's streamed tool-call deltas: the first delta of a call brings its id, type and name, the
+        following ones fragments of its JSON arguments."""
+        for delta in deltas:
+            index = delta.get("index")
+            if not isinstance(index, int):
+                raise InferenceError(f"{where}: streamed tool-call delta without an index: {delta!r:.300}")
+            call = self.tool_calls.setdefault(index, {"id": None, "type": "function", "name": "", "arguments": ""})
+            if delta.get("id"):
+                call["id"] = delta["id"]
+            if delta.get("type"):
+                call["type"] = delta["type"]
+            function = delta.get("function") or {}
+            call["name"] += function.get("name") or ""
+            call["arguments"] += function.get("arguments") or ""
+
+    def message(self) -> Message:
+        """The assistant message as a non-streamed reply would carry it: content, tool_calls, reasoning."""
+        message: Message = {"role": "assistant", "content": "".join(self.text)}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c["id"], "type": c["type"], "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for _, c in sorted(self.tool_calls.items())
+            ]
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        return message
 
 
 class StreamedChat:
@@ -86,31 +119,56 @@ class StreamedChat:
             acc.logprobs += logprobs
             acc.versions += [version] * len(token_ids)
             self.oldest_version = version if self.oldest_version is None else min(self.oldest_version, version)
-        text = (choice.get("delta") or {}).get("content")
-        if text:
-            acc.text.append(text)
+        delta = choice.get("delta") or {}
+        if delta.get("content"):
+            acc.text.append(delta["content"])
+        reasoning = delta.get("reasoning") or delta.get("reasoning_content")
+        if reasoning:
+            acc.reasoning.append(reasoning)
+        if delta.get("tool_calls"):
+            acc.add_tool_call_deltas(delta["tool_calls"], f"{self.where}: choice {index}")
         if choice.get("finish_reason") is not None:
             acc.finish_reason = choice["finish_reason"]
 
-    def rollouts(self, task: Task, request_version: int) -> list[Rollout]:
-        """The finished stream as `n` rollouts; checks completeness against the final usage chunk."""
+    def check_complete(self, task_id: str) -> list[int]:
+        """Check the finished stream against the final usage chunk; return the prompt's token ids."""
         if self.prompt_token_ids is None:
             raise InferenceError(
-                f"task {task.id}: {self.where} streamed no prompt_token_ids; the request must set return_token_ids"
+                f"task {task_id}: {self.where} streamed no prompt_token_ids; the request must set return_token_ids"
             )
         unfinished = [i for i, c in enumerate(self.choices) if c.finish_reason is None]
         if unfinished:
-            raise InferenceError(f"task {task.id}: {self.where}: stream ended before choices {unfinished} finished")
+            raise InferenceError(f"task {task_id}: {self.where}: stream ended before choices {unfinished} finished")
         if self.usage is None:
             raise InferenceError(
-                f"task {task.id}: {self.where}: no final usage chunk; the request must set stream_options.include_usage"
+                f"task {task_id}: {self.where}: no final usage chunk; the request must set stream_options.include_usage"
             )
         if self.usage.get("completion_tokens") != self.num_tokens:
             raise InferenceError(
-                f"task {task.id}: {self.where}: streamed {self.num_tokens} token ids but usage counts "
+                f"task {task_id}: {self.where}: streamed {self.num_tokens} token ids but usage counts "
                 f"{self.usage.get('completion_tokens')} completion tokens (a reasoning parser with "
                 "include_reasoning=false hides token ids; keep include_reasoning on)"
             )
+        return list(self.prompt_token_ids)
+
+    def model_turn(self, task_id: str) -> ModelTurn:
+        """The finished stream of a one-choice request as one model turn of a multi-turn rollout."""
+        if self.n != 1:
+            raise ValueError(f"a model turn is one completion; this stream has {self.n} choices")
+        prompt_ids = self.check_complete(task_id)
+        c = self.choices[0]
+        return ModelTurn(
+            message=c.message(),
+            prompt_token_ids=prompt_ids,
+            completion_token_ids=list(c.token_ids),
+            completion_logprobs=list(c.logprobs),
+            completion_versions=list(c.versions),
+            finish_reason=c.finish_reason,
+        )
+
+    def rollouts(self, task: Task, request_version: int) -> list[Rollout]:
+        """The finished stream as `n` rollouts; checks completeness against the final usage chunk."""
+        self.check_complete(task.id)
         return [
             Rollout(
                 task=task,

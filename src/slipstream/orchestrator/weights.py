@@ -3,7 +3,8 @@ every load.
 
 An update is pause(keep) -> load -> reset prefix cache -> resume: in-flight requests freeze and continue with the
 new weights, nothing is drained or restarted. New requests are held back from the pause until the load is
-verified, so every request sent after an update carries the new version's cache_salt. Verification scores the
+verified, so every request sent after an update carries the new version's cache_salt. An online evaluation holds
+the served policy fixed (`hold()`): updates wait until it ends. Verification scores the
 trainer's probe tokens on inference and compares log-probs, so a failed or partial weight update (a frozen or
 corrupted policy) is caught instead of training silently.
 """
@@ -11,7 +12,8 @@ corrupted policy) is caught instead of training silently.
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +48,9 @@ class WeightRelay:
         self.pending_metrics: dict[str, float] = {}
         """Metrics of the updates since the last batch (taken by the pipeline into the next batch)."""
         self._stop = asyncio.Event()
+        self._num_holds = 0
+        self._unheld = asyncio.Event()
+        self._unheld.set()
 
     async def watch(self, num_batches: Callable[[], int]) -> None:
         """Load the newest published weights whenever they are newer than the served ones, until stop()."""
@@ -59,6 +64,9 @@ class WeightRelay:
                         f"{weights_dir(self.output_dir, newest)} exists though only {num_batches()} batches were "
                         f"written: {self.output_dir} holds weights of another run; use a fresh output_dir"
                     )
+                if self._num_holds:  # an evaluation holds the policy: load what is newest once it ends
+                    await self._wait_unheld()
+                    newest = await asyncio.to_thread(latest_ready_step, self.output_dir)
                 await self.update(newest)
             try:
                 await asyncio.wait_for(self._stop.wait(), self.config.weights_poll_s)
@@ -69,8 +77,33 @@ class WeightRelay:
         """Let watch() return after its current poll or update (an update is never interrupted)."""
         self._stop.set()
 
+    @asynccontextmanager
+    async def hold(self) -> AsyncIterator[int]:
+        """Keep the served policy fixed for the block (updates wait for its end); yields the served version."""
+        if self.updating:
+            raise RuntimeError("the policy cannot be held while a weight update is in progress")
+        self._num_holds += 1
+        self._unheld.clear()
+        try:
+            yield self.served_version
+        finally:
+            self._num_holds -= 1
+            if not self._num_holds:
+                self._unheld.set()
+
+    async def _wait_unheld(self) -> None:
+        """Wait until no hold is left; the time waited goes into `timing/weight_update_held_s`."""
+        if not self._num_holds:
+            return
+        start = time.perf_counter()
+        while self._num_holds:
+            await self._unheld.wait()
+        m = self.pending_metrics
+        m["timing/weight_update_held_s"] = m.get("timing/weight_update_held_s", 0.0) + time.perf_counter() - start
+
     async def update(self, version: int) -> None:
-        """Load `weights/step_<version>` in place with requests in flight, then verify it."""
+        """Load `weights/step_<version>` in place with requests in flight, then verify it (after any hold)."""
+        await self._wait_unheld()
         start = time.perf_counter()
         self.updating = True
         self.on_change()
