@@ -1,6 +1,7 @@
 """`slipstream <command>`: parse the config, import the process lazily, run it. `slipstream --help` is instant."""
 
 import errno
+import os
 import sys
 import textwrap
 
@@ -39,7 +40,15 @@ CONFIG_COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except BrokenPipeError:
+        # the reader of our output went away (`slipstream rl --help | head`): stop quietly, as other CLIs do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2

@@ -5,7 +5,14 @@ import math
 
 import pytest
 
-from slipstream.monitor.plots import build_panels, main, metric_series, read_eval_results, write_plots
+from slipstream.monitor.plots import (
+    build_panels,
+    main,
+    metric_series,
+    read_eval_results,
+    read_jsonl,
+    write_plots,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -29,13 +36,14 @@ def _fake_run(run_dir, num_steps=6, with_eval=True):
             "timing/step_s": 2.0,
             "timing/generate_s": 1.5,
         }
-        if step % 3 == 0:
-            record |= {"eval/reward_mean": 0.2 + 0.02 * step, "eval/reward_stderr": 0.03}
         records.append(record)
     _write_jsonl(run_dir / "metrics.jsonl", records)
+    # online evaluations: of policy versions 0, 3, 6 (their metrics also land in later batches' records)
+    (run_dir / "eval").mkdir()
+    online = [{"step": v, "reward_mean": 0.2 + 0.02 * v, "reward_stderr": 0.03} for v in (0, 3, num_steps)]
+    _write_jsonl(run_dir / "eval" / "online.jsonl", online)
     _write_jsonl(run_dir / "weight_checks.jsonl", [{"step": s, "max_abs_diff": 1e-6 * s} for s in range(1, 4)])
     if with_eval:
-        (run_dir / "eval").mkdir()
         for step, reward in ((0, 0.15), (num_steps, 0.4)):
             result = {"step": step, "reward_mean": reward, "reward_stderr": 0.02, "pass_at_k": {"1": 0.1}}
             (run_dir / "eval" / f"step_{step}.json").write_text(json.dumps(result))
@@ -73,11 +81,13 @@ def test_eval_panels_combine_online_and_offline(tmp_path):
     run = _fake_run(tmp_path / "run")
     from slipstream.monitor.metrics import read_metrics
 
-    panels = {p.name: p for p in build_panels(read_metrics(run), [], read_eval_results(run))}
+    online_records = read_jsonl(run / "eval" / "online.jsonl")
+    panels = {p.name: p for p in build_panels(read_metrics(run), [], read_eval_results(run), online_records)}
     labels = [s.label for s in panels["eval_reward"].series]
     assert labels == ["held-out (online)", "held-out (slipstream eval)"]
     online, offline = panels["eval_reward"].series
-    assert online.steps == [3, 6] and offline.steps == [0, 6] and offline.values == [0.15, 0.4]
+    assert online.steps == [0, 3, 6] and online.values == pytest.approx([0.2, 0.26, 0.32])
+    assert offline.steps == [0, 6] and offline.values == [0.15, 0.4]
     assert panels["mismatch_kl"].log_y and "weight_sync" not in panels
 
 
@@ -97,3 +107,18 @@ def test_cli_main_prints_paths(tmp_path, capsys):
     assert main([str(run)]) == 0
     printed = capsys.readouterr().out.split()
     assert str(run / "plots" / "reward.png") in printed
+
+
+def test_heldout_lines_compare_policy_zero_with_the_last_evaluation(tmp_path):
+    from slipstream.monitor.heldout import heldout_lines
+
+    assert heldout_lines(tmp_path) == []  # no online evaluation
+    (tmp_path / "eval").mkdir()
+    base = {"env": "reverse_text", "split": "eval", "num_tasks": 64, "num_samples": 4, "reward_stderr": 0.01}
+    _write_jsonl(tmp_path / "eval" / "online.jsonl", [base | {"step": 0, "reward_mean": 0.1354}])
+    assert heldout_lines(tmp_path) == []  # only the policy before training
+    records = [base | {"step": s, "reward_mean": r} for s, r in ((0, 0.1354), (20, 0.3), (10, 0.25))]
+    _write_jsonl(tmp_path / "eval" / "online.jsonl", records)
+    detail, last = heldout_lines(tmp_path)
+    assert last == "heldout_reward: before 0.135 after 0.300"
+    assert "reverse_text/eval, 64 tasks x 4 samples" in detail and "v20 0.300" in detail

@@ -42,6 +42,7 @@ def run_rl(config: RLConfig) -> int:
         watch_until_done(sup, config)
         _say(f"done: {config.max_steps} steps in {time.monotonic() - start:.0f}s; metrics in {config.output_dir}")
         _write_plots(config.output_dir)
+        _print_heldout(config.output_dir)
         return 0
     except ChildFailed as e:
         _say(f"error: {e}; last lines of its log:\n{tail(e.log_path)}", err=True)
@@ -120,6 +121,13 @@ def _write_plots(output_dir: Path) -> None:
 
     paths = write_plots(output_dir)
     _say(f"plots: {', '.join(p.name for p in paths)} in {output_dir / 'plots'}")
+
+
+def _print_heldout(output_dir: Path) -> None:
+    from slipstream.monitor.heldout import heldout_lines
+
+    for line in heldout_lines(output_dir):
+        print(line if line.startswith("heldout_reward:") else f"[slipstream] {line}", flush=True)
 
 
 def _say(message: str, err: bool = False) -> None:

@@ -1,5 +1,6 @@
 """PNG plots of a run (`slipstream plot RUN_DIR`): reward, held-out reward, mismatch KL, step time, loss, grad norm
-and weight-sync error, from metrics.jsonl, weight_checks.jsonl and `slipstream eval` results in `eval/step_N.json`.
+and weight-sync error, from metrics.jsonl, weight_checks.jsonl, online evaluations (`eval/online.jsonl`) and
+`slipstream eval` results in `eval/step_N.json`.
 """
 
 import argparse
@@ -18,6 +19,8 @@ from slipstream.utils.fs import atomic_write_bytes
 PLOTS_DIR = "plots"
 EVAL_DIR = "eval"
 """`slipstream eval` of a run's step writes `<run>/eval/step_<N>.json`."""
+ONLINE_EVAL_FILE = Path(EVAL_DIR) / "online.jsonl"
+"""Online evaluations during training (orchestrator/online_eval.py), one line each: `step` = evaluated version."""
 
 
 @dataclass
@@ -85,10 +88,14 @@ def read_eval_results(output_dir: Path) -> list[dict[str, Any]]:
 
 
 def build_panels(
-    metrics: list[dict[str, Any]], weight_checks: list[dict[str, Any]], evals: list[dict[str, Any]]
+    metrics: list[dict[str, Any]],
+    weight_checks: list[dict[str, Any]],
+    evals: list[dict[str, Any]],
+    online: list[dict[str, Any]] | None = None,
 ) -> list[Panel]:
-    """The panels that have data, in display order."""
-    online_eval = metric_series(metrics, "eval/reward_mean", "held-out (online)", "eval/reward_stderr")
+    """The panels that have data, in display order. `online`: the run's online evaluations (eval/online.jsonl),
+    each at the policy version it evaluated (version N = after N trainer steps)."""
+    online_eval = metric_series(online or [], "reward_mean", "held-out (online)", "reward_stderr")
     online_eval.markers, online_eval.color = True, "C1"
     offline_eval = Series(
         "held-out (slipstream eval)",
@@ -160,7 +167,8 @@ def write_plots(output_dir: Path) -> list[Path]:
     evals = read_eval_results(output_dir)
     if not metrics and not evals:
         raise FileNotFoundError(f"{output_dir} has no {METRICS_FILE} records and no {EVAL_DIR}/step_N.json results")
-    panels = build_panels(metrics, read_jsonl(output_dir / WEIGHT_CHECKS_FILE), evals)
+    online = read_jsonl(output_dir / ONLINE_EVAL_FILE)
+    panels = build_panels(metrics, read_jsonl(output_dir / WEIGHT_CHECKS_FILE), evals, online)
     plots_dir = output_dir / PLOTS_DIR
     paths = []
     for panel in panels:

@@ -11,8 +11,9 @@ import torch
 from torch import Tensor, nn
 
 from slipstream.models.common.transformer import DecoderLM
-from slipstream.trainer.data import PackedMicroBatch, build_padded_layout, pack, unpack
+from slipstream.trainer.data import PackedMicroBatch, PaddedLayout, build_padded_layout, pack, unpack
 from slipstream.trainer.lm_head import lm_head_logprobs
+from slipstream.trainer.row_layout import use_padded_rows
 
 DEFAULT_CHUNK_SIZE = 8192
 """Tokens per LM-head chunk: only [chunk, V] logits (in the compute dtype) exist at a time."""
@@ -51,14 +52,15 @@ def packed_logprobs(
     target_mask_T: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`compute_logprobs` on the micro-batch's tensors. Packed samples never attend to each other: our models
-    separate them by position_ids (one row, no padding); transformers models get right-padded rows and a mask.
+    separate them by position_ids (one row, no padding) or run one padded row per sample where that is cheaper
+    (row_layout.py); transformers models get right-padded rows and a mask.
 
     With `target_mask_T` (the loss mask) the LM head runs only for those tokens: log-prob and entropy are 0
     elsewhere (prompt tokens' log-probs are never used by the loss, and the head is a quarter of the step's FLOPs).
     """
     layout = build_padded_layout(position_ids_T)
     if is_custom_model(model):
-        hidden_TD = model.forward_hidden(input_ids_T[None], position_ids_T[None])[0]
+        hidden_TD = custom_hidden(model, input_ids_T, position_ids_T, layout)
         head_weight_VD, head_bias_V = model.lm_head_weight, None
     else:
         check_plain_lm_head(model)
@@ -85,6 +87,19 @@ def packed_logprobs(
     )
     zeros_T = torch.zeros(input_ids_T.numel(), dtype=torch.float32, device=hidden_TD.device)
     return zeros_T.index_copy(0, target_N, logprobs_N), zeros_T.index_copy(0, target_N, entropy_N)
+
+
+def custom_hidden(model: DecoderLM, input_ids_T: Tensor, position_ids_T: Tensor, layout: PaddedLayout) -> Tensor:
+    """hidden_TD of our model, run as the packed row or as one padded row per sample (row_layout.py)."""
+    device = input_ids_T.device
+    autocast = torch.is_autocast_enabled(device.type)
+    compute_dtype = torch.get_autocast_dtype(device.type) if autocast else model.lm_head_weight.dtype
+    if not use_padded_rows(model, layout, device, compute_dtype):
+        return model.forward_hidden(input_ids_T[None], position_ids_T[None])[0]
+    input_ids_BL = unpack(input_ids_T, layout, pad_value=0)
+    # Pads continue their row's positions: each row is then one causal sample, whatever its pads are.
+    position_ids_BL = torch.arange(layout.max_len, device=device).expand(layout.num_rows, -1)
+    return pack(model.forward_hidden(input_ids_BL, position_ids_BL), layout)
 
 
 def chunked_lm_head_logprobs(

@@ -1,0 +1,45 @@
+"""Which rows our (dense) models run a packed micro-batch in: the packed row itself, or one right-padded row per
+sample, whichever the attention path that would run makes cheaper. Both give the same log-probs.
+
+Where no fused varlen kernel applies (CPU; float32 on CUDA) packed samples share one row under a block-diagonal
+mask, and attention costs T^2 for T packed tokens, most of it masked away: with many short samples (RL groups of
+short completions) that dominates the step. Padded rows cost B * L^2 attention (B samples, L the longest) plus the
+linear layers over the B * L - T pad tokens; on CUDA they also turn the masked path into fused causal attention.
+Pads sit at the end of their row and only attend backwards, so no real token ever sees one.
+
+Legend: T = packed tokens, B = samples, L = longest sample.
+"""
+
+import torch
+from torch import nn
+
+from slipstream.models.common.attention import varlen_attn
+from slipstream.models.common.transformer import DecoderLM
+from slipstream.trainer.data import PaddedLayout
+
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+def use_padded_rows(model: nn.Module, layout: PaddedLayout, device: torch.device, compute_dtype: torch.dtype) -> bool:
+    """True when one padded row per sample costs fewer FLOPs than the packed row for our `model`.
+
+    Never for a single sample, for MoE models (pad tokens would be routed and counted in the load-balance
+    statistics), or where packed rows run the fused varlen kernel (CUDA, 16-bit compute) and pads are only waste.
+    """
+    if not isinstance(model, DecoderLM) or layout.num_rows == 1 or hasattr(model, "moe_stats"):
+        return False
+    if device.type == "cuda" and varlen_attn is not None and compute_dtype in _SIXTEEN_BIT:
+        return False
+    num_tokens, num_rows, max_len = int(layout.row_T.numel()), layout.num_rows, layout.max_len
+    per_token, per_pair = layer_flops(model)
+    packed = num_tokens * per_token + num_tokens * num_tokens * per_pair
+    padded = num_rows * max_len * per_token + num_rows * max_len * max_len * per_pair
+    return padded < packed
+
+
+def layer_flops(model: DecoderLM) -> tuple[int, int]:
+    """Forward FLOPs of one block: (per token in its linear layers, per query-key pair in attention)."""
+    a = model.args
+    attn_proj = a.hidden_size * a.head_dim * (2 * a.num_heads + 2 * a.num_kv_heads)
+    mlp = 3 * a.hidden_size * a.intermediate_size
+    return 2 * (attn_proj + mlp), 4 * a.num_heads * a.head_dim
