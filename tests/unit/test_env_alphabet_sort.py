@@ -42,6 +42,8 @@ def test_parse_and_score():
     assert parse_names("<sorted>\nAda Lee\n Bo King \n</sorted> trailing") == ["Ada Lee", "Bo King"]
     assert parse_names("<sorted>a</sorted><sorted>\nb\nc") == ["b", "c"]
     assert parse_names("Ada Lee") == []
+    assert parse_names("Ada Lee\n\n Bo King", without_tags=True) == ["Ada Lee", "Bo King"]
+    assert parse_names("x\n<sorted>Bo King", without_tags=True) == ["Bo King"]  # tags win when present
     assert turn_score(["a", "b"], ["a", "b"], 4.0) == 1.0
     assert 0 < turn_score(["a", "c"], ["a", "b"], 4.0) < turn_score(["a", "c"], ["a", "b"], 1.0) < 1
 
@@ -54,3 +56,12 @@ def test_tasks_are_deterministic_and_distinct():
         names = [n for turn in task.answer for n in turn]
         assert len(names) == len(set(names)) and 2 <= len(task.answer) <= 3
         assert task.prompt[0]["role"] == "system"
+
+
+def test_answers_without_tags_get_partial_credit_when_enabled():
+    task = AlphabetSortEnv(num_tasks=5, min_turns=2, max_turns=2, seed=1).tasks("train")[0]
+    first, second = task.answer
+    untagged = [assistant("\n".join(sorted(first))), assistant("\n".join(sorted(first + second)))]
+    assert play(AlphabetSortEnv(num_tasks=5, min_turns=2, max_turns=2, seed=1), task, untagged).reward.value == 0.0
+    lenient = AlphabetSortEnv(num_tasks=5, min_turns=2, max_turns=2, seed=1, answers_without_tags=True)
+    assert play(lenient, task, untagged).reward.value == 1.0

@@ -36,11 +36,12 @@ _LAST = (
 _ANSWER_RE = re.compile(r"<sorted>(.*?)(?:</sorted>|$)", re.DOTALL)
 
 
-def parse_names(text: str) -> list[str]:
-    """Names inside the last <sorted>...</sorted> (closing tag optional), one per line; [] without the tag."""
+def parse_names(text: str, without_tags: bool = False) -> list[str]:
+    """Names inside the last <sorted>...</sorted> (closing tag optional), one per line. Without the tag: [] or,
+    with `without_tags`, every non-empty line of the reply."""
     matches = _ANSWER_RE.findall(text)
     if not matches:
-        return []
+        return [line.strip() for line in text.splitlines() if line.strip()] if without_tags else []
     return [line.strip() for line in matches[-1].splitlines() if line.strip()]
 
 
@@ -68,6 +69,7 @@ class AlphabetSortEnv(MultiTurnEnv):
         min_names_per_turn: int = 2,
         max_names_per_turn: int = 4,
         similarity_power: float = 4.0,
+        answers_without_tags: bool = False,
         seed: int = 0,
         rollout_timeout_s: float = DEFAULT_ROLLOUT_TIMEOUT_S,
     ) -> None:
@@ -80,6 +82,9 @@ class AlphabetSortEnv(MultiTurnEnv):
             raise ValueError(f"alphabet_sort needs similarity_power > 0, got {similarity_power}")
         super().__init__(max_turns=max_turns, rollout_timeout_s=rollout_timeout_s)
         self.similarity_power = similarity_power
+        self.answers_without_tags = answers_without_tags
+        """Score a reply without <sorted> tags by its lines (as reverse_text scores an untagged reply) instead of 0:
+        partial credit for small models that list names but never learned the tag format."""
         sizes = check_task_counts(self.name, num_tasks, num_eval_tasks)
         shape = (min_turns, max_turns, min_names_per_turn, max_names_per_turn)
         self._tasks = {split: _make_tasks(split, n, shape, seed) for split, n in sizes.items()}
@@ -95,7 +100,7 @@ class AlphabetSortEnv(MultiTurnEnv):
         schedule: list[list[str]] = state["schedule"]
         turn = state["turn"]
         expected = sorted(name for names in schedule[: turn + 1] for name in names)
-        answer = parse_names(messages[-1].get("content") or "")
+        answer = parse_names(messages[-1].get("content") or "", self.answers_without_tags)
         state["scores"].append(turn_score(answer, expected, self.similarity_power))
         state["exact"].append(answer == expected)
         state["turn"] = turn + 1
