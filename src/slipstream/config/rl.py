@@ -37,6 +37,14 @@ class LaunchConfig(BaseConfig):
     shutdown_grace_s: float = Field(10.0, gt=0.0)
     """Seconds between SIGTERM and SIGKILL when stopping the processes."""
 
+    inference_restarts: int = Field(3, ge=0)
+    """How many times the inference server is restarted when it dies mid-run (crash, OOM kill) before the run
+    stops; the orchestrator waits for it and reloads the served weights (orchestrator.recovery). 0: an inference
+    death stops the run. A trainer or orchestrator death always stops the run."""
+
+    inference_restart_backoff_s: float = Field(2.0, ge=0.0)
+    """Delay before restarting a dead inference server, doubled for each further restart (at most 60 s)."""
+
 
 class RLConfig(BaseConfig):
     """Asynchronous RL: inference + orchestrator + trainer. `model`, `output_dir`, `max_steps` and `seed`
