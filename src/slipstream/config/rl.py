@@ -3,7 +3,7 @@
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from slipstream.config.base import BaseConfig
 from slipstream.config.inference import InferenceConfig
@@ -79,20 +79,23 @@ class RLConfig(BaseConfig):
             if value is None:
                 continue
             for section in sections:
-                sub = dict(data.get(section) or {})
+                sub = _table(data.get(section))
+                if sub is None:
+                    continue  # not a table: field validation reports it, naming the section
                 if key in sub and _norm(sub[key]) != _norm(value):
                     raise ValueError(
                         f"{section}.{key} differs from the top-level {key}; set {key} once at the top level"
                     )
                 sub[key] = value
                 data[section] = sub
-        inf = data.get("inference") or {}
-        orch = dict(data.get("orchestrator") or {})
+        inf, orch = _table(data.get("inference")) or {}, _table(data.get("orchestrator"))
+        if orch is None:
+            return data
         if "inference_url" not in orch:
             host = inf.get("host", "127.0.0.1")
             host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
             orch["inference_url"] = f"http://{host}:{inf.get('port', 8000)}"
-        launch = data.get("launch") or {}
+        launch = _table(data.get("launch")) or {}
         orch.setdefault("num_trainer_ranks", launch.get("num_trainer_procs", 1))
         data["orchestrator"] = orch
         return data
@@ -104,6 +107,15 @@ class RLConfig(BaseConfig):
                 "orchestrator.num_trainer_ranks must equal launch.num_trainer_procs; set only launch.num_trainer_procs"
             )
         return self
+
+
+def _table(value: Any) -> dict[str, Any] | None:
+    """A section given as a table (or a config object) as a fresh dict; {} if absent; None if it is not a table."""
+    if value is None:
+        return {}
+    if isinstance(value, dict | BaseModel):
+        return dict(value)
+    return None
 
 
 def _norm(value: Any) -> Any:
