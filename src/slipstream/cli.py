@@ -5,8 +5,8 @@ import os
 import sys
 import textwrap
 
-# out of space / quota, read-only or forbidden: the user must fix the output directory, not the code
-_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+# out of space / quota, read-only, forbidden, or a path through a file: the user must fix the output directory
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST}
 
 USAGE = """usage: slipstream <command> [-c FILE.toml]... [--section.key VALUE]...
 
@@ -94,7 +94,7 @@ def _run_config_command(command: str, rest: list[str]) -> int:
             raise
         where = f" {e.filename}" if e.filename else ""
         print(
-            f"error: cannot write{where}: {e.strerror}; free space or fix permissions of the output directory "
+            f"error: cannot write{where}: {e.strerror}; free space, or fix the output directory's path or permissions "
             "(completed steps and committed checkpoints are intact: writes are atomic)",
             file=sys.stderr,
         )

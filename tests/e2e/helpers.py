@@ -31,6 +31,21 @@ def processes_with_marker(marker: str) -> list[int]:
     return pids
 
 
+def child_processes(pid: int) -> dict[int, str]:
+    """pid -> command line of the live direct children of `pid`."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                out[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return out
+
+
 def tiny_rl_config(model_dir: Path, output_dir: Path, max_steps: int, **sections) -> dict:
     """A small, fast RL config for a tiny random model on CPU."""
     config = {

@@ -1,15 +1,15 @@
-"""Killing any one child makes `slipstream rl` exit non-zero within 30 s, naming that child, leaving nothing."""
+"""Killing any one child makes `slipstream rl` exit non-zero within 30 s, naming that child, leaving nothing
+(inference: with restarts off; test_inference_restart.py covers a restarted inference server)."""
 
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.e2e.helpers import processes_with_marker, tiny_rl_config, write_config
+from tests.e2e.helpers import child_processes, processes_with_marker, tiny_rl_config, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -21,25 +21,12 @@ CHILD_SIGNATURE = {
 }
 
 
-def _children(pid: int) -> dict[int, str]:
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == pid:
-                out[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return out
-
-
 @pytest.mark.parametrize("victim", ["inference", "trainer", "orchestrator"])
 def test_killing_a_child_stops_the_run_and_names_it(victim, tiny_qwen3_dir, tmp_path, run_env):
     marker, env = run_env
     out = tmp_path / "run"
-    cfg = write_config(tmp_path / "rl.toml", tiny_rl_config(tiny_qwen3_dir, out, max_steps=200))
+    launch = {"inference_restarts": 0} if victim == "inference" else {}
+    cfg = write_config(tmp_path / "rl.toml", tiny_rl_config(tiny_qwen3_dir, out, max_steps=200, launch=launch))
     launcher = subprocess.Popen(
         [sys.executable, "-m", "slipstream", "rl", "-c", str(cfg)],
         env=env,
@@ -53,8 +40,8 @@ def test_killing_a_child_stops_the_run_and_names_it(victim, tiny_qwen3_dir, tmp_
             assert launcher.poll() is None, launcher.communicate()
             assert time.monotonic() < deadline, "the run never reached its first step"
             time.sleep(0.5)
-        pids = [p for p, cmd in _children(launcher.pid).items() if CHILD_SIGNATURE[victim] in cmd]
-        assert len(pids) == 1, _children(launcher.pid)
+        pids = [p for p, cmd in child_processes(launcher.pid).items() if CHILD_SIGNATURE[victim] in cmd]
+        assert len(pids) == 1, child_processes(launcher.pid)
         os.kill(pids[0], signal.SIGKILL)
         killed_at = time.monotonic()
         stdout, stderr = launcher.communicate(timeout=60)

@@ -97,3 +97,39 @@ def test_stop_all_kills_descendants_that_left_the_group(tmp_path):
             break
         time.sleep(0.05)
     assert not _alive(worker)
+
+
+def test_restart_kills_what_is_left_of_the_dead_child_and_starts_it_again(tmp_path):
+    """A killed vLLM leaves its engine processes (in its group, or in their own session) holding port and memory."""
+    pid_file = tmp_path / "helper.pid"
+    code = (
+        "import os, subprocess, sys, time\n"
+        "a = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "b = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)\n"
+        f"open({str(pid_file)!r}, 'a').write(f'{{a.pid}} {{b.pid}}\\n')\n"
+        "time.sleep(120)\n"
+    )
+    sup = Supervisor(grace_s=5)
+    sup.start(_spec(tmp_path, "inference", code))
+    sup.start(_spec(tmp_path, "trainer", "import time; time.sleep(120)", must_run_to_end=False))
+    try:
+        for _ in range(200):
+            sup.check()
+            if pid_file.exists() and pid_file.read_text().endswith("\n"):
+                break
+            time.sleep(0.05)
+        helpers = [int(p) for p in pid_file.read_text().split()]
+        sup.check()  # the supervisor records the helpers while their parent is alive
+        first = sup.procs["inference"]
+        os.kill(first.pid, 9)
+        first.wait()
+        with pytest.raises(ChildFailed, match="inference was killed by signal 9"):
+            sup.check()
+        assert sup.check(ignore=("inference",)) == [] and all(_alive(p) for p in helpers)
+        sup.restart("inference")
+        assert not any(_alive(p) for p in helpers)
+        assert sup.procs["inference"] is not first and sup.procs["inference"].poll() is None
+        assert _alive(sup.procs["trainer"].pid)  # other children are left alone
+        assert sup.check() == []
+    finally:
+        sup.stop_all()

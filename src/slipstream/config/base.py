@@ -12,9 +12,12 @@ class ConfigError(ValueError):
 
 
 class BaseConfig(BaseModel):
-    """Strict pydantic model: unknown keys and wrong types fail validation."""
+    """Strict pydantic model: unknown keys, wrong types, NaN and infinities fail validation (a NaN learning rate or
+    an infinite tolerance would otherwise pass a range check or make one meaningless)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, allow_inf_nan=False
+    )
 
     def to_toml_dict(self) -> dict[str, Any]:
         """Plain dict for TOML output: None values dropped (TOML has no null), paths as strings."""

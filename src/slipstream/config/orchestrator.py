@@ -53,6 +53,40 @@ class WeightCheckConfig(BaseConfig):
     """Stop the run when a check fails: a frozen or corrupted policy must not train silently."""
 
 
+class RecoveryConfig(BaseConfig):
+    """What the orchestrator does when inference is lost mid-run (connection refused or dropped, HTTP 5xx, or a
+    reply from a restarted server: `slipstream rl` restarts a dead inference server, see launch.inference_restarts).
+
+    New requests are held back; /health is polled with exponential backoff; once it answers, the served weights
+    are loaded again and verified with the weight check before any new request is sent. Requests that were in
+    flight fail: their groups are generated again from scratch (`pipeline/regenerated_groups`), never trained
+    half-done.
+    """
+
+    timeout_s: float = Field(900.0, gt=0.0)
+    """Longest wait for inference to answer /health again (and take the served weights) after it was lost; the
+    run then stops with an error saying what was waited for. Cover the server's restart (model load, warm-up)."""
+
+    backoff_initial_s: float = Field(0.5, gt=0.0)
+    """First delay between two /health polls while inference is lost; doubled after each poll."""
+
+    backoff_max_s: float = Field(10.0, gt=0.0)
+    """Longest delay between two /health polls."""
+
+    max_regenerations_per_group: int = Field(3, ge=0)
+    """How often one group may be generated again after losing its requests; beyond it the run stops (a request
+    that itself brings the server down must not loop forever). 0: losing inference stops the run."""
+
+    @model_validator(mode="after")
+    def _check_backoff(self) -> "RecoveryConfig":
+        if self.backoff_initial_s > self.backoff_max_s:
+            raise ValueError(
+                f"recovery.backoff_initial_s ({self.backoff_initial_s}) is above recovery.backoff_max_s "
+                f"({self.backoff_max_s}); lower backoff_initial_s or raise backoff_max_s"
+            )
+        return self
+
+
 class ConcurrencyConfig(BaseConfig):
     """How many completions (sequences; a group of `group_size` is one request) the orchestrator keeps in flight.
 
@@ -225,6 +259,9 @@ class OrchestratorConfig(BaseConfig):
 
     health_timeout_s: float = Field(600.0, gt=0.0)
     """How long to wait for the inference server to become healthy."""
+
+    recovery: RecoveryConfig = RecoveryConfig()
+    """Waiting for inference and re-establishing its weights when it is lost mid-run."""
 
     @property
     def weight_check_tolerance(self) -> float:

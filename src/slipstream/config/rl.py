@@ -3,7 +3,7 @@
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from slipstream.config.base import BaseConfig
 from slipstream.config.inference import InferenceConfig
@@ -36,6 +36,14 @@ class LaunchConfig(BaseConfig):
 
     shutdown_grace_s: float = Field(10.0, gt=0.0)
     """Seconds between SIGTERM and SIGKILL when stopping the processes."""
+
+    inference_restarts: int = Field(3, ge=0)
+    """How many times the inference server is restarted when it dies mid-run (crash, OOM kill) before the run
+    stops; the orchestrator waits for it and reloads the served weights (orchestrator.recovery). 0: an inference
+    death stops the run. A trainer or orchestrator death always stops the run."""
+
+    inference_restart_backoff_s: float = Field(2.0, ge=0.0)
+    """Delay before restarting a dead inference server, doubled for each further restart (at most 60 s)."""
 
 
 class RLConfig(BaseConfig):
@@ -71,20 +79,23 @@ class RLConfig(BaseConfig):
             if value is None:
                 continue
             for section in sections:
-                sub = dict(data.get(section) or {})
+                sub = _table(data.get(section))
+                if sub is None:
+                    continue  # not a table: field validation reports it, naming the section
                 if key in sub and _norm(sub[key]) != _norm(value):
                     raise ValueError(
                         f"{section}.{key} differs from the top-level {key}; set {key} once at the top level"
                     )
                 sub[key] = value
                 data[section] = sub
-        inf = data.get("inference") or {}
-        orch = dict(data.get("orchestrator") or {})
+        inf, orch = _table(data.get("inference")) or {}, _table(data.get("orchestrator"))
+        if orch is None:
+            return data
         if "inference_url" not in orch:
             host = inf.get("host", "127.0.0.1")
             host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
             orch["inference_url"] = f"http://{host}:{inf.get('port', 8000)}"
-        launch = data.get("launch") or {}
+        launch = _table(data.get("launch")) or {}
         orch.setdefault("num_trainer_ranks", launch.get("num_trainer_procs", 1))
         data["orchestrator"] = orch
         return data
@@ -96,6 +107,15 @@ class RLConfig(BaseConfig):
                 "orchestrator.num_trainer_ranks must equal launch.num_trainer_procs; set only launch.num_trainer_procs"
             )
         return self
+
+
+def _table(value: Any) -> dict[str, Any] | None:
+    """A section given as a table (or a config object) as a fresh dict; {} if absent; None if it is not a table."""
+    if value is None:
+        return {}
+    if isinstance(value, dict | BaseModel):
+        return dict(value)
+    return None
 
 
 def _norm(value: Any) -> Any:

@@ -6,9 +6,11 @@ import sys
 from pathlib import Path
 
 from slipstream.config.inference import InferenceConfig
+from slipstream.inference.instance import INSTANCE_ENV, new_instance_id
 
 WORKER_EXTENSION = "slipstream.inference.worker_ext.WeightLoaderExtension"
 ADMIN_MIDDLEWARE = "slipstream.inference.auth.AdminTokenMiddleware"
+INSTANCE_MIDDLEWARE = "slipstream.inference.instance.InstanceIdMiddleware"
 
 
 def build_vllm_argv(config: InferenceConfig, model_path: Path) -> list[str]:
@@ -26,6 +28,7 @@ def build_vllm_argv(config: InferenceConfig, model_path: Path) -> list[str]:
         "--tensor-parallel-size", str(config.tensor_parallel_size),
         "--worker-extension-cls", WORKER_EXTENSION,
         "--middleware", ADMIN_MIDDLEWARE,  # admin endpoints need the run's admin token
+        "--middleware", INSTANCE_MIDDLEWARE,  # replies name this start of the server (restart detection)
         "--logprobs-mode", "processed_logprobs",
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
@@ -39,7 +42,7 @@ def build_vllm_argv(config: InferenceConfig, model_path: Path) -> list[str]:
 
 
 def build_vllm_env(config: InferenceConfig, base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment of the vLLM server: RL/admin endpoints on, no hub access, CPU-build sizing."""
+    """Environment of the vLLM server: RL/admin endpoints on, no hub access, CPU-build sizing, a fresh instance id."""
     env = dict(os.environ if base is None else base)
     env.update(
         VLLM_SERVER_DEV_MODE="1",  # enables /pause, /resume, /collective_rpc, /reset_prefix_cache
@@ -48,6 +51,7 @@ def build_vllm_env(config: InferenceConfig, base: dict[str, str] | None = None) 
         VLLM_CPU_OMP_THREADS_BIND=config.cpu_threads_bind,
         VLLM_CONFIGURE_LOGGING="1",
     )
+    env[INSTANCE_ENV] = new_instance_id()  # see slipstream.inference.instance
     return env
 
 

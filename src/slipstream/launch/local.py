@@ -1,5 +1,6 @@
 """`slipstream rl` on one machine: write configs, start inference/trainer/orchestrator, supervise, stop cleanly."""
 
+import functools
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ from pathlib import Path
 from slipstream.config.rl import RLConfig
 from slipstream.inference.admin_token import ensure_admin_token
 from slipstream.launch.plan import build_plan, write_configs
+from slipstream.launch.restarts import InferenceRestarts
 from slipstream.launch.supervisor import ChildFailed, Supervisor, tail
 
 
@@ -90,13 +92,28 @@ def wait_healthy(sup: Supervisor, url: str, timeout_s: float) -> None:
 
 
 def watch_until_done(sup: Supervisor, config: RLConfig) -> None:
-    """Supervise until trainer and orchestrator have both finished; print one progress line per step."""
+    """Supervise until trainer and orchestrator have both finished, restarting inference if it dies (up to
+    launch.inference_restarts); print one progress line per step."""
     from slipstream.monitor.metrics import format_progress
 
+    restarts = InferenceRestarts(config.launch, f"{config.inference.url}/health", _say)
     metrics_path, offset = config.output_dir / "metrics.jsonl", 0
-    while True:
-        finished = sup.check()
+
+    def step(ignore: tuple[str, ...] = ()) -> list[str]:
+        nonlocal offset
+        finished = sup.check(ignore)
         offset = _print_new_metrics(metrics_path, offset, config.max_steps, format_progress)
+        return finished
+
+    while True:
+        try:
+            finished = step()
+        except ChildFailed as e:
+            if not restarts.handles(e):
+                raise
+            restarts.restart(sup, e, keep_watching=functools.partial(step, ignore=(e.name,)))
+            continue
+        restarts.poll_health()
         if {"trainer", "orchestrator"} <= set(finished):
             return
         time.sleep(0.5)

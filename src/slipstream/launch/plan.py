@@ -1,10 +1,13 @@
 """Pure planning: an RLConfig becomes the resolved per-process configs and the commands that run them."""
 
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from slipstream.config.rl import RLConfig
+from slipstream.utils.fs import commit_dir
 
 
 @dataclass(frozen=True)
@@ -26,12 +29,23 @@ def config_paths(config: RLConfig) -> dict[str, Path]:
 
 
 def write_configs(config: RLConfig) -> dict[str, Path]:
-    """Write the resolved config of the run and of each process into `output_dir/config/`."""
+    """Write the resolved config of the run and of each process into `output_dir/config/`, all or nothing: they
+    are written into a temporary folder renamed into place, so a failed write leaves the previous ones (or none)."""
     paths = config_paths(config)
-    config.write_toml(paths["rl"])
-    config.inference.write_toml(paths["inference"])
-    config.orchestrator.write_toml(paths["orchestrator"])
-    config.trainer.write_toml(paths["trainer"])
+    folder = paths["rl"].parent
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".config."))
+    try:
+        tmp.chmod(0o755)
+        for name, section in (
+            ("rl", config),
+            *((n, getattr(config, n)) for n in ("inference", "orchestrator", "trainer")),
+        ):
+            section.write_toml(tmp / paths[name].name)
+        commit_dir(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return paths
 
 

@@ -43,8 +43,9 @@ class Supervisor:
         self.grace_s = grace_s
         self.procs: dict[str, subprocess.Popen] = {}
         self.specs: dict[str, ProcessSpec] = {}
-        self.descendants: dict[int, float] = {}
-        """pid -> create time of every process seen below a child (a pid is only signalled if it is still that one)."""
+        self.descendants: dict[str, dict[int, float]] = {}
+        """Per child: pid -> create time of every process seen below it (a pid is only signalled if it is still
+        that one)."""
 
     def start(self, spec: ProcessSpec) -> None:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,35 +61,55 @@ class Supervisor:
             )
         self.specs[spec.name] = spec
 
-    def check(self) -> list[str]:
-        """Raise ChildFailed for a child that failed; return the names of children that finished cleanly."""
+    def check(self, ignore: tuple[str, ...] = ()) -> list[str]:
+        """Raise ChildFailed for a child that failed (except those in `ignore`); return the names of children that
+        finished cleanly."""
         self._track_descendants()
         finished = []
         for name, proc in self.procs.items():
             rc = proc.poll()
-            if rc is None:
+            if rc is None or name in ignore:
                 continue
             if rc != 0 or self.specs[name].must_run_to_end:
                 raise ChildFailed(name, rc, self.specs[name].log_path)
             finished.append(name)
         return finished
 
+    def restart(self, name: str) -> None:
+        """Start a child that died again, after killing what is left of it (its group and its descendants, which
+        could hold its port or memory)."""
+        proc = self.procs[name]
+        self._track_descendants()
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait()
+        leftovers = self._signal_descendants(signal.SIGKILL, names=(name,))
+        psutil.wait_procs(leftovers, timeout=self.grace_s)
+        self.descendants.pop(name, None)
+        self.start(self.specs[name])
+
     def _track_descendants(self) -> None:
-        for proc in self.procs.values():
+        for name, proc in self.procs.items():
             try:
                 for child in psutil.Process(proc.pid).children(recursive=True):
-                    self.descendants.setdefault(child.pid, child.create_time())
+                    self.descendants.setdefault(name, {}).setdefault(child.pid, child.create_time())
             except psutil.Error:
                 continue  # the child itself is gone; its descendants were recorded earlier
 
-    def _signal_descendants(self, sig: int) -> None:
-        for pid, created in list(self.descendants.items()):
-            try:
-                p = psutil.Process(pid)
-                if p.create_time() == created:
-                    p.send_signal(sig)
-            except psutil.Error:
-                self.descendants.pop(pid, None)
+    def _signal_descendants(self, sig: int, names: tuple[str, ...] | None = None) -> list[psutil.Process]:
+        """Signal the recorded descendants (of the children `names`, default all); return those signalled."""
+        signalled = []
+        for name, pids in self.descendants.items():
+            if names is not None and name not in names:
+                continue
+            for pid, created in list(pids.items()):
+                try:
+                    p = psutil.Process(pid)
+                    if p.create_time() == created:
+                        p.send_signal(sig)
+                        signalled.append(p)
+                except psutil.Error:
+                    pids.pop(pid, None)
+        return signalled
 
     def stop_all(self) -> None:
         """SIGTERM every child's process group and descendants, then SIGKILL what is left after the grace period."""

@@ -3,6 +3,11 @@ dev-mode weight-update calls.
 
 Weight updates need the server started with VLLM_SERVER_DEV_MODE=1 (`/pause`, `/collective_rpc`, ...).
 Cancelling a streamed request closes its connection, and vLLM aborts a request whose client disconnected.
+
+Losing the server (connection refused or dropped, HTTP 5xx, or a reply from another start of the server than the
+one the weights were loaded on: `X-Slipstream-Instance`) raises InferenceUnavailable and marks the client
+unavailable: from then on it sends no generation request until the weight relay has re-established the served
+weights on the server (weights.py) and calls `mark_available()`.
 """
 
 import asyncio
@@ -16,6 +21,7 @@ from typing import Any
 import httpx
 
 from slipstream.inference.admin_token import admin_headers
+from slipstream.inference.instance import INSTANCE_HEADER
 
 LOAD_WEIGHTS_METHOD = "slipstream_load_weights"
 """Worker-extension method that loads a published `weights/step_N` directory in place."""
@@ -23,6 +29,15 @@ LOAD_WEIGHTS_METHOD = "slipstream_load_weights"
 
 class InferenceError(RuntimeError):
     """The inference server answered with an error or with a response Slipstream cannot use."""
+
+
+class InferenceUnavailable(InferenceError):
+    """The server could not be reached, dropped the connection, answered HTTP 5xx, or restarted (it lost the loaded
+    weights): wait until it is back and re-establish the served weights before sending new requests."""
+
+
+_UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+"""Transport errors that mean the server is gone (a read timeout is not one: the server may just be slow)."""
 
 
 class ContextLengthError(InferenceError):
@@ -66,6 +81,51 @@ class InferenceClient:
         self._http = httpx.AsyncClient(
             base_url=self.base_url, timeout=request_timeout_s, limits=limits, headers=admin_headers()
         )
+        self.instance: str | None = None
+        """The server start (`X-Slipstream-Instance`) the served weights are on; adopted at first contact."""
+        self.unavailable_reason: str | None = None
+        """Why the server was lost; None while it is available. Generation requests are refused while set."""
+        self.on_unavailable: Callable[[InferenceUnavailable], None] = lambda error: None
+        """Called whenever a call finds the server unavailable (the weight relay starts its recovery)."""
+
+    @property
+    def available(self) -> bool:
+        return self.unavailable_reason is None
+
+    def mark_available(self) -> None:
+        """The served weights are re-established on the server: generation requests may go out again."""
+        self.unavailable_reason = None
+
+    def _unavailable(self, message: str) -> InferenceUnavailable:
+        """Record that the server is lost (the first reason is kept) and return the error to raise."""
+        error = InferenceUnavailable(message)
+        if self.unavailable_reason is None:
+            self.unavailable_reason = message
+        self.on_unavailable(error)
+        return error
+
+    def _check_instance(self, response: httpx.Response, expected: str | None, where: str) -> None:
+        """Raise InferenceUnavailable if the reply comes from another start of the server than `expected` (the
+        instance when the request was sent)."""
+        got = response.headers.get(INSTANCE_HEADER)
+        if got is None:
+            return  # a server without the header (not started by `slipstream inference`): no restart detection
+        if expected is None:
+            if self.instance is None:
+                self.instance = got
+            return
+        if got != expected:
+            raise self._unavailable(
+                f"{where} was answered by inference instance {got}, not {expected} which holds the served weights: "
+                "the server restarted"
+            )
+
+    def _require_available(self, where: str) -> None:
+        if self.unavailable_reason is not None:
+            raise self._unavailable(
+                f"{where} not sent: inference is unavailable ({self.unavailable_reason}) until the served weights "
+                "are re-established"
+            )
 
     async def __aenter__(self) -> "InferenceClient":
         return self
@@ -75,44 +135,65 @@ class InferenceClient:
 
     async def post(self, path: str, json: Any = None, params: Mapping[str, str] | None = None) -> Any:
         """POST and return the decoded JSON body (None for an empty body); errors name the call and the reply."""
+        where, expected = f"POST {self.base_url}{path}", self.instance
         try:
             response = await self._http.post(path, json=json, params=params)
+        except _UNREACHABLE as e:
+            raise self._unavailable(f"{where} failed: {type(e).__name__}: {e}") from e
         except httpx.HTTPError as e:
-            raise InferenceError(f"POST {self.base_url}{path} failed: {type(e).__name__}: {e}") from e
+            raise InferenceError(f"{where} failed: {type(e).__name__}: {e}") from e
+        self._check_instance(response, expected, where)
+        if response.status_code >= 500:
+            raise self._unavailable(f"{where} returned HTTP {response.status_code}: {response.text[:500]}")
         if response.status_code != 200:
             raise request_error(f"{self.base_url}{path}", response.status_code, response.text)
         return response.json() if response.content else None
 
     async def get_text(self, path: str) -> str:
         """GET a text resource (e.g. /metrics); errors name the call and the reply."""
+        where, expected = f"GET {self.base_url}{path}", self.instance
         try:
             response = await self._http.get(path)
+        except _UNREACHABLE as e:
+            raise self._unavailable(f"{where} failed: {type(e).__name__}: {e}") from e
         except httpx.HTTPError as e:
-            raise InferenceError(f"GET {self.base_url}{path} failed: {type(e).__name__}: {e}") from e
+            raise InferenceError(f"{where} failed: {type(e).__name__}: {e}") from e
+        self._check_instance(response, expected, where)
+        if response.status_code >= 500:
+            raise self._unavailable(f"{where} returned HTTP {response.status_code}: {response.text[:500]}")
         if response.status_code != 200:
             raise InferenceError(
                 f"GET {self.base_url}{path} returned HTTP {response.status_code}: {response.text[:500]}"
             )
         return response.text
 
-    async def wait_healthy(self, timeout_s: float, poll_s: float = 0.5) -> None:
-        """Block until GET /health answers 200; TimeoutError says which server was awaited."""
+    async def wait_healthy(
+        self, timeout_s: float, poll_s: float = 0.5, max_poll_s: float | None = None, hint: str | None = None
+    ) -> str | None:
+        """Block until GET /health answers 200 and return the answering server's instance id (None if it sends
+        none); the first contact adopts it. Polls every `poll_s`, doubling up to `max_poll_s` (default: no
+        doubling). TimeoutError says which server was awaited, the last answer, and `hint` (what to check)."""
         deadline = time.monotonic() + timeout_s
         last = "no answer yet"
+        delay = poll_s
         while True:
             try:
                 response = await self._http.get("/health", timeout=min(10.0, timeout_s))
                 if response.status_code == 200:
-                    return
+                    instance = response.headers.get(INSTANCE_HEADER)
+                    if self.instance is None:
+                        self.instance = instance
+                    return instance
                 last = f"HTTP {response.status_code}"
             except httpx.HTTPError as e:
                 last = f"{type(e).__name__}: {e}"
             if time.monotonic() > deadline:
+                hint = hint or "is it running, and is orchestrator.inference_url right?"
                 raise TimeoutError(
-                    f"waited {timeout_s:.0f}s for the inference server at {self.base_url}/health (last: {last}); "
-                    "is it running, and is orchestrator.inference_url right?"
+                    f"waited {timeout_s:.0f}s for the inference server at {self.base_url}/health (last: {last}); {hint}"
                 )
-            await asyncio.sleep(poll_s)
+            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic()) + 0.01))
+            delay = min(delay * 2, max_poll_s) if max_poll_s is not None else delay
 
     def chat_body(self, messages: list[dict[str, Any]], sampling: Mapping[str, Any], n: int, cache_salt: str) -> dict:
         """Body of a chat completion with `n` samples returning token ids and per-token logprobs."""
@@ -129,6 +210,7 @@ class InferenceClient:
 
     async def chat(self, messages: list[dict[str, Any]], sampling: Mapping[str, Any], n: int, cache_salt: str) -> dict:
         """One non-streamed chat completion (token-in/token-out); the reply arrives whole when all samples end."""
+        self._require_available(f"POST {self.base_url}/v1/chat/completions")
         return await self.post("/v1/chat/completions", json=self.chat_body(messages, sampling, n, cache_salt))
 
     async def stream_chat(
@@ -141,13 +223,22 @@ class InferenceClient:
         body = self.chat_body(messages, sampling, n, cache_salt)
         body |= {"stream": True, "stream_options": {"include_usage": True}}
         where = f"{self.base_url}/v1/chat/completions (stream)"
+        self._require_available(f"POST {where}")
+        expected = self.instance
         try:
             async with self._http.stream("POST", "/v1/chat/completions", json=body) as response:
+                self._check_instance(response, expected, f"POST {where}")
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")
+                    if response.status_code >= 500:
+                        raise self._unavailable(f"POST {where} returned HTTP {response.status_code}: {text[:500]}")
                     raise request_error(where, response.status_code, text)
                 async for chunk in _sse_chunks(response, where):
                     yield chunk
+        except _ServerErrorChunk as e:
+            raise self._unavailable(str(e)) from None
+        except _UNREACHABLE as e:
+            raise self._unavailable(f"POST {where} failed: {type(e).__name__}: {e}") from e
         except httpx.HTTPError as e:
             raise InferenceError(f"POST {where} failed: {type(e).__name__}: {e}") from e
 
@@ -189,6 +280,10 @@ class InferenceClient:
         return WeightLoad(results=results, prefix_cache_reset=bool((reset or {}).get("success", False)))
 
 
+class _ServerErrorChunk(InferenceError):
+    """A mid-stream error chunk with a 5xx code (the stream's client turns it into InferenceUnavailable)."""
+
+
 async def _sse_chunks(response: httpx.Response, where: str) -> AsyncIterator[dict]:
     """Decode a server-sent-event body of `data: <json>` lines until `data: [DONE]`."""
     async for line in response.aiter_lines():
@@ -202,7 +297,10 @@ async def _sse_chunks(response: httpx.Response, where: str) -> AsyncIterator[dic
         except json.JSONDecodeError as e:
             raise InferenceError(f"{where}: undecodable stream chunk {data[:300]!r}") from e
         if "error" in chunk:
-            raise InferenceError(f"{where}: the server reported an error mid-stream: {chunk['error']}")
+            error = chunk["error"]
+            code = error.get("code") if isinstance(error, dict) else None
+            kind = _ServerErrorChunk if isinstance(code, int) and code >= 500 else InferenceError
+            raise kind(f"{where}: the server reported an error mid-stream: {error}")
         yield chunk
     raise InferenceError(f"{where}: the stream ended without its final `data: [DONE]`")
 

@@ -2,6 +2,8 @@
 policy versions and at the end, beside rollouts and within a share of the in-flight limit (see OnlineEvalConfig).
 
 Evaluation samples never enter training batches: they go through `slipstream.eval.evaluate`, not the ledger.
+An evaluation interrupted because inference was lost is counted (`eval/num_interrupted`) and run again once the
+weight relay has re-established the served weights.
 """
 
 import asyncio
@@ -16,7 +18,7 @@ from slipstream.envs.base import AnyEnvironment
 from slipstream.eval.evaluate import evaluate
 from slipstream.eval.results import EVAL_METRIC_PREFIX, EvalResult
 from slipstream.eval.run import format_summary
-from slipstream.orchestrator.client import InferenceClient
+from slipstream.orchestrator.client import InferenceClient, InferenceUnavailable
 from slipstream.orchestrator.ledger import Signal
 from slipstream.orchestrator.weights import WeightRelay
 from slipstream.utils.fs import append_line
@@ -72,6 +74,8 @@ class OnlineEvaluator:
         self.last_version: int | None = None
         """Version of the last evaluation started (finished or timed out)."""
         self.num_timeouts = 0
+        self.num_interrupted = 0
+        """Evaluations cut short because inference was lost (each is run again)."""
         self.pending_metrics: deque[dict[str, float]] = deque()
         self._stopping = False
         if not env.tasks(self.config.split):
@@ -88,7 +92,7 @@ class OnlineEvaluator:
     async def run(self, wait: Callable[[Callable[[], bool]], Awaitable[None]]) -> None:
         """Background loop: evaluate each due version once it is served (no update in progress), until stop()."""
         while not self._stopping:
-            await wait(lambda: self._stopping or (not self.relay.updating and self.due(self.relay.served_version)))
+            await wait(lambda: self._stopping or (self.relay.accepting and self.due(self.relay.served_version)))
             if not self._stopping:
                 await self.evaluate()
 
@@ -106,12 +110,17 @@ class OnlineEvaluator:
         if self.relay.served_version != version:
             raise RuntimeError(f"the final evaluation needs policy {version} served, not {self.relay.served_version}")
         self.limiter.share = 1.0
-        return await self.evaluate()
+        while True:
+            await self.relay.ensure_available()
+            num_interrupted = self.num_interrupted
+            result = await self.evaluate()
+            if self.num_interrupted == num_interrupted:
+                return result
 
     async def evaluate(self) -> EvalResult | None:
         """Evaluate the served policy, holding it fixed; None if it took longer than eval.timeout_s."""
         async with self.relay.hold() as version:
-            self.last_version = version
+            previous, self.last_version = self.last_version, version
             try:
                 async with asyncio.timeout(self.config.timeout_s):
                     result = await self._evaluate(version)
@@ -121,6 +130,15 @@ class OnlineEvaluator:
                 print(
                     f"[orchestrator] online evaluation of policy v{version} cancelled after eval.timeout_s = "
                     f"{self.config.timeout_s:g}s; lower eval.num_tasks or eval.num_samples, or raise the timeout",
+                    flush=True,
+                )
+                return None
+            except InferenceUnavailable as e:
+                self.num_interrupted += 1
+                self.last_version = previous  # evaluate this version again once inference is back
+                self.pending_metrics.append({f"{EVAL_METRIC_PREFIX}num_interrupted": float(self.num_interrupted)})
+                print(
+                    f"[orchestrator] online evaluation of policy v{version} interrupted ({e}); it runs again",
                     flush=True,
                 )
                 return None

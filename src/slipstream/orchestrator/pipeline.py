@@ -14,6 +14,10 @@ Single-turn environments: one request for `group_size` completions per group. Mu
 environments: `group_size` concurrent rollouts through `run_rollout`, one request per model turn (multiturn.py);
 a rollout that fails inside its environment is counted and left out, and a group with fewer than two survivors is
 dropped and counted.
+
+Inference lost mid-run (client.py's InferenceUnavailable): dispatch and new turns wait while the weight relay
+recovers; a group whose request failed is generated again from scratch once the served weights are re-established
+(`pipeline/regenerated_groups`), with the then served version, so no half-done group is trained.
 """
 
 import asyncio
@@ -24,7 +28,7 @@ from typing import Any, Literal
 
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.envs.base import AnyEnvironment, is_multi_turn, score
-from slipstream.orchestrator.client import InferenceClient, InferenceError
+from slipstream.orchestrator.client import InferenceClient, InferenceError, InferenceUnavailable
 from slipstream.orchestrator.concurrency import InFlightLimit, parse_server_load
 from slipstream.orchestrator.ledger import Group, GroupLedger, Signal
 from slipstream.orchestrator.multiturn import RolloutFailures, TurnProgress, TurnRequester, play_group
@@ -61,6 +65,8 @@ class RolloutPipeline:
         the step before): then inference is the bottleneck and spare groups pay off; otherwise they would only wait
         in the buffer and age."""
         self._cancelled: list[asyncio.Task] = []
+        self.num_regenerated = 0
+        """Groups generated again because inference was lost while their requests were in flight."""
         self.multi_turn = is_multi_turn(env)
         self.failures = RolloutFailures(config.group_size)
         self.turns = TurnRequester(
@@ -136,6 +142,7 @@ class RolloutPipeline:
             "pipeline/cancelled_groups": float(ledger.num_cancelled),
             "pipeline/dropped_groups": float(ledger.num_dropped),
             "pipeline/failed_groups": float(ledger.num_failed),
+            "pipeline/regenerated_groups": float(self.num_regenerated),
             "pipeline/in_flight_groups": float(len(ledger.in_flight)),
             "pipeline/buffered_groups": float(len(ledger.finished)),
             "pipeline/concurrency_limit": float(self.limit.limit),
@@ -164,7 +171,7 @@ class RolloutPipeline:
 
     def _dispatch_state(self) -> Literal["go", "limit", "hold"]:
         """go: a group may start; limit: only the in-flight limit holds it back; hold: anything else does."""
-        if self.error is not None or self.relay.updating:
+        if self.error is not None or not self.relay.accepting:
             return "hold"
         last_allowed = min(self.config.max_steps, self.relay.served_version + 1 + self.config.max_async_level)
         num_spare = self.num_spare if self._trainer_waited else 0
@@ -193,27 +200,56 @@ class RolloutPipeline:
     def _dispatch(self) -> None:
         index = self.ledger.num_dispatched
         group = Group(index=index, task=self.sampler.task_at(index), request_version=self.relay.served_version)
+        self._fresh_progress(group)
+        self.ledger.start(group)
+        group.handle = asyncio.create_task(self._run_group(group))
+
+    def _fresh_progress(self, group: Group) -> None:
         if self.multi_turn:
             group.stream = TurnProgress()
         elif self.config.version_tracking == "stream":
             where = f"{self.client.base_url}/v1/chat/completions (stream, task {group.task.id})"
             group.stream = StreamedChat(self.group_size, lambda: self.relay.served_version, where)
-        self.ledger.start(group)
-        group.handle = asyncio.create_task(self._run_group(group))
 
     async def _run_group(self, group: Group) -> None:
-        try:
-            rollouts = await (self._play_multi_turn(group) if self.multi_turn else self._play_single_turn(group))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            self._fail(e)
-            return
+        attempt = 0
+        while True:
+            try:
+                play = self._play_multi_turn if self.multi_turn else self._play_single_turn
+                rollouts = await play(group)
+                break
+            except asyncio.CancelledError:
+                raise
+            except InferenceUnavailable as e:
+                attempt += 1
+                if attempt > self.config.recovery.max_regenerations_per_group:
+                    self._fail(self._gave_up(group, attempt - 1, e))
+                    return
+                await self._regenerate(group)
+            except Exception as e:
+                self._fail(e)
+                return
         if rollouts is None:
             self.ledger.fail(group)
         else:
             self.ledger.finish(group, rollouts)
         self.signal.notify()
+
+    async def _regenerate(self, group: Group) -> None:
+        """Forget what the group generated, wait until inference is back with the served weights, start it over."""
+        self.num_regenerated += 1
+        for wait in (False, True):  # fresh before the wait too, so the lost tokens do not make the group look old
+            if wait:
+                await self._wait(lambda: self.relay.accepting)
+            group.request_version = self.relay.served_version
+            self._fresh_progress(group)
+
+    def _gave_up(self, group: Group, num_regenerations: int, error: InferenceUnavailable) -> InferenceError:
+        return InferenceError(
+            f"task {group.task.id}: inference was lost again after the group was generated again "
+            f"{num_regenerations} times ({error}); raise orchestrator.recovery.max_regenerations_per_group if "
+            "inference keeps restarting for another reason than this request"
+        )
 
     async def _play_single_turn(self, group: Group) -> list[Rollout]:
         """One request for the group's completions, each scored by the environment."""
@@ -246,7 +282,7 @@ class RolloutPipeline:
 
     async def _turn_version(self) -> int:
         """Wait until no weight update is in progress (new requests carry the new version); the served version."""
-        await self._wait(lambda: not self.relay.updating)
+        await self._wait(lambda: self.relay.accepting)
         return self.relay.served_version
 
     async def _generate(self, group: Group) -> list[Rollout]:
@@ -273,13 +309,17 @@ class RolloutPipeline:
         noted = False
         while True:
             await asyncio.sleep(self.config.concurrency.poll_interval_s)
-            if self.relay.updating:
+            if not self.relay.accepting:
                 continue
-            load = parse_server_load(await self.client.get_text("/metrics"), where)
+            try:
+                text = await self.client.get_text("/metrics")
+            except InferenceUnavailable:
+                continue  # the relay recovers it
+            load = parse_server_load(text, where)
             if load.num_preemptions is None and not noted:
                 noted = True
                 print(f"[orchestrator] note: {where} has no preemption counter; backing off on queueing only")
-            if self.relay.updating:
+            if not self.relay.accepting:
                 continue
             saturated = self._limit_was_binding or self._dispatch_state() == "limit"
             self._limit_was_binding = False

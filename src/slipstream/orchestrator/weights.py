@@ -7,6 +7,10 @@ verified, so every request sent after an update carries the new version's cache_
 the served policy fixed (`hold()`): updates wait until it ends. Verification scores the
 trainer's probe tokens on inference and compares log-probs, so a failed or partial weight update (a frozen or
 corrupted policy) is caught instead of training silently.
+
+When inference is lost (it died and is being restarted: client.py raises InferenceUnavailable), new requests are
+held back and the relay recovers: it polls /health with exponential backoff (at most `recovery.timeout_s`), loads
+the served version again on the server that answers, verifies it with the probe, and only then lets requests go.
 """
 
 import asyncio
@@ -19,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from slipstream.config.orchestrator import OrchestratorConfig
-from slipstream.orchestrator.client import InferenceClient
+from slipstream.orchestrator.client import InferenceClient, InferenceUnavailable
 from slipstream.orchestrator.rollouts import cache_salt
 from slipstream.transport.weights import PROBE, latest_ready_step, read_probe, wait_for_weights, weights_dir
 from slipstream.utils.fs import append_line
@@ -35,7 +39,8 @@ class WeightRelay:
     """Tracks the policy version inference serves (0 = initial weights) and updates it as weights are published.
 
     `served_version` switches right before /resume (see streaming.py for why tokens are stamped with it);
-    `updating` is true from /pause until the load is verified; `on_change` is called whenever either changes.
+    `updating` is true from /pause until the load is verified; `accepting` is false while updating or while
+    inference is unavailable (until recovered); `on_change` is called whenever any of them changes.
     """
 
     def __init__(self, client: InferenceClient, config: OrchestratorConfig, served_version: int = 0) -> None:
@@ -48,13 +53,32 @@ class WeightRelay:
         self.pending_metrics: dict[str, float] = {}
         """Metrics of the updates since the last batch (taken by the pipeline into the next batch)."""
         self._stop = asyncio.Event()
+        self._wake = asyncio.Event()
+        """Set by stop() and when inference is lost, so watch() reacts before its next poll."""
+        self._lock = asyncio.Lock()
+        """Serialises weight loads: updates and recoveries."""
         self._num_holds = 0
         self._unheld = asyncio.Event()
         self._unheld.set()
+        client.on_unavailable = self._lost
+
+    @property
+    def accepting(self) -> bool:
+        """Whether new requests may be sent: no update in progress, inference available with the served weights."""
+        return not self.updating and self.client.available
+
+    def _lost(self, error: InferenceUnavailable) -> None:
+        if not self._wake.is_set():
+            self._wake.set()
+        self.on_change()
 
     async def watch(self, num_batches: Callable[[], int]) -> None:
         """Load the newest published weights whenever they are newer than the served ones, until stop()."""
         while not self._stop.is_set():
+            self._wake.clear()
+            if not self.client.available:
+                await self._recover_unless_stopped()
+                continue
             newest = await asyncio.to_thread(latest_ready_step, self.output_dir)
             if self._stop.is_set():
                 break
@@ -67,21 +91,92 @@ class WeightRelay:
                 if self._num_holds:  # an evaluation holds the policy: load what is newest once it ends
                     await self._wait_unheld()
                     newest = await asyncio.to_thread(latest_ready_step, self.output_dir)
-                await self.update(newest)
+                try:
+                    await self.update(newest)
+                except InferenceUnavailable:
+                    continue  # lost mid-update: recover (the served version again), then load the newest
             try:
-                await asyncio.wait_for(self._stop.wait(), self.config.weights_poll_s)
+                await asyncio.wait_for(self._wake.wait(), self.config.weights_poll_s)
             except TimeoutError:
                 pass
 
     def stop(self) -> None:
-        """Let watch() return after its current poll or update (an update is never interrupted)."""
+        """Let watch() return after its current poll or update (an update is never interrupted; a recovery is)."""
         self._stop.set()
+        self._wake.set()
+
+    async def _recover_unless_stopped(self) -> None:
+        recovery = asyncio.ensure_future(self.ensure_available())
+        stopped = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait([recovery, stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (recovery, stopped):
+                task.cancel()
+            await asyncio.gather(recovery, stopped, return_exceptions=True)
+        if recovery.done() and not recovery.cancelled() and recovery.exception() is not None:
+            raise recovery.exception()  # type: ignore[misc]  # checked just above
+
+    async def ensure_available(self) -> None:
+        """If inference was lost, wait for it and re-establish the served weights (see the module docstring)."""
+        async with self._lock:
+            if not self.client.available:
+                await self._recover()
+
+    async def _recover(self) -> None:
+        cfg, reason = self.config.recovery, self.client.unavailable_reason
+        url = f"{self.client.base_url}/health"
+        print(
+            f"[orchestrator] inference unavailable ({reason}); new requests wait until it answers {url} again "
+            f"(at most recovery.timeout_s = {cfg.timeout_s:g}s) and serves policy v{self.served_version} again",
+            flush=True,
+        )
+        start = time.perf_counter()
+        deadline = time.monotonic() + cfg.timeout_s
+        hint = (
+            f"it became unavailable ({reason}) and did not come back; is it being restarted (launch.inference_"
+            "restarts)? Raise orchestrator.recovery.timeout_s if it needs longer to start"
+        )
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"waited {cfg.timeout_s:g}s for the inference server at {url}: {hint}")
+            instance = await self.client.wait_healthy(remaining, cfg.backoff_initial_s, cfg.backoff_max_s, hint)
+            self.client.instance = instance
+            try:
+                check = await self._reload_served()
+                break
+            except InferenceUnavailable as e:
+                print(f"[orchestrator] inference lost again while re-establishing its weights ({e})", flush=True)
+        self.client.mark_available()
+        seconds = time.perf_counter() - start
+        m = self.pending_metrics
+        m["inference/num_recoveries"] = m.get("inference/num_recoveries", 0.0) + 1
+        m["timing/inference_recovery_s"] = m.get("timing/inference_recovery_s", 0.0) + seconds
+        verified = "" if check is None else f", verified (probe max |diff| {check:.2g})"
+        print(
+            f"[orchestrator] inference back after {seconds:.1f}s (instance {instance}); serving policy "
+            f"v{self.served_version} again{verified}; new requests resume",
+            flush=True,
+        )
+        self.on_change()
+
+    async def _reload_served(self) -> float | None:
+        """Load and verify the served version on a (possibly restarted) server; version 0 is the model it starts
+        with (nothing to load, no trainer probe to verify it with)."""
+        version = self.served_version
+        if version == 0:
+            return None
+        await self.client.load_weights(str(weights_dir(self.output_dir, version)))  # admin calls are not held back
+        return await self._verify(version, after_restart=True)
 
     @asynccontextmanager
     async def hold(self) -> AsyncIterator[int]:
         """Keep the served policy fixed for the block (updates wait for its end); yields the served version."""
-        if self.updating:
-            raise RuntimeError("the policy cannot be held while a weight update is in progress")
+        if not self.accepting:
+            raise RuntimeError(
+                "the policy cannot be held while a weight update or an inference recovery is in progress"
+            )
         self._num_holds += 1
         self._unheld.clear()
         try:
@@ -102,19 +197,23 @@ class WeightRelay:
         m["timing/weight_update_held_s"] = m.get("timing/weight_update_held_s", 0.0) + time.perf_counter() - start
 
     async def update(self, version: int) -> None:
-        """Load `weights/step_<version>` in place with requests in flight, then verify it (after any hold)."""
+        """Load `weights/step_<version>` in place with requests in flight, then verify it (after any hold).
+        InferenceUnavailable if inference is lost (before or during it): recover, then update again."""
         await self._wait_unheld()
-        start = time.perf_counter()
-        self.updating = True
-        self.on_change()
-        try:
-            load = await self.client.load_weights(
-                str(weights_dir(self.output_dir, version)), before_resume=lambda: self._serve(version)
-            )
-            check = await self._verify(version)
-        finally:
-            self.updating = False
+        async with self._lock:
+            if not self.client.available:
+                raise InferenceUnavailable(f"inference is unavailable ({self.client.unavailable_reason})")
+            start = time.perf_counter()
+            self.updating = True
             self.on_change()
+            try:
+                load = await self.client.load_weights(
+                    str(weights_dir(self.output_dir, version)), before_resume=lambda: self._serve(version)
+                )
+                check = await self._verify(version)
+            finally:
+                self.updating = False
+                self.on_change()
         m = self.pending_metrics
         m["timing/weight_update_s"] = m.get("timing/weight_update_s", 0.0) + time.perf_counter() - start
         m["weights/num_updates"] = m.get("weights/num_updates", 0.0) + 1
@@ -135,13 +234,21 @@ class WeightRelay:
         ends with inference serving the trained policy."""
         if self.served_version < final_step:
             await asyncio.to_thread(wait_for_weights, self.output_dir, final_step, self.config.weights_timeout_s)
-            await self.update(final_step)
+        while True:
+            await self.ensure_available()
+            if self.served_version >= final_step:
+                return
+            try:
+                await self.update(final_step)
+            except InferenceUnavailable:
+                continue  # recover, then load it again
 
-    async def _verify(self, version: int) -> float | None:
+    async def _verify(self, version: int, after_restart: bool = False) -> float | None:
         """Check the load if `weight_check.enabled`; return the probe's max |diff| (None when disabled)."""
         if not self.config.weight_check.enabled:
             return None
-        check = await verify_weights(self.client, self.output_dir, version, self.config.weight_check_tolerance)
+        tolerance = self.config.weight_check_tolerance
+        check = await verify_weights(self.client, self.output_dir, version, tolerance, after_restart)
         if not check["passed"]:
             message = (
                 f"weight update to step {version} did not take effect on inference (policy frozen or corrupted): "
@@ -155,8 +262,11 @@ class WeightRelay:
         return check["max_abs_diff"]
 
 
-async def verify_weights(client: InferenceClient, output_dir: Path, step: int, max_abs_diff: float) -> dict:
-    """Score the trainer's probe of `step` on inference, append the comparison to weight_checks.jsonl, return it."""
+async def verify_weights(
+    client: InferenceClient, output_dir: Path, step: int, max_abs_diff: float, after_restart: bool = False
+) -> dict:
+    """Score the trainer's probe of `step` on inference, append the comparison to weight_checks.jsonl, return it.
+    `after_restart`: the check of a reload after inference was lost (recorded in the line)."""
     probe_path = weights_dir(output_dir, step) / PROBE
     if not probe_path.exists():
         raise FileNotFoundError(
@@ -175,6 +285,7 @@ async def verify_weights(client: InferenceClient, output_dir: Path, step: int, m
         "mean_abs_diff": float(diff.mean()),
         "num_tokens": len(expected),
         "passed": bool(diff.max() <= max_abs_diff),
+        "after_restart": after_restart,
         "inference_logprobs": got,
     }
     append_line(Path(output_dir) / WEIGHT_CHECKS_FILE, json.dumps(check))

@@ -60,7 +60,8 @@ def write_batch(output_dir: Path, batch: TrainingBatch) -> Path:
 
 
 def read_batch(path: Path) -> TrainingBatch:
-    """Decode and validate a batch file; malformed files raise BatchFormatError naming the problem."""
+    """Decode and validate a batch file; malformed files (truncated, not msgpack, wrong types, another format
+    version, token arrays of different lengths) raise BatchFormatError naming the file and the problem."""
     try:
         batch = msgspec.msgpack.decode(Path(path).read_bytes(), type=TrainingBatch)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -85,4 +86,10 @@ def wait_for_batch(output_dir: Path, step: int, rank: int, timeout_s: float, pol
                 f"waited {timeout_s:.0f}s for the orchestrator's batch {path}; is the orchestrator running?"
             )
         time.sleep(poll_s)
-    return read_batch(path)
+    batch = read_batch(path)
+    if (batch.step, batch.rank) != (step, rank):
+        raise BatchFormatError(
+            f"{path}: holds the batch of step {batch.step} rank {batch.rank}, expected step {step} rank {rank}; "
+            "is another orchestrator writing into this output_dir?"
+        )
+    return batch

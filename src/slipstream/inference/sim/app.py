@@ -11,10 +11,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from slipstream.inference.instance import InstanceIdMiddleware, new_instance_id
 from slipstream.inference.sim.config import SimConfig
 from slipstream.inference.sim.engine import Sequence, SimClosedError, SimEngine, SimRequestError
 from slipstream.inference.sim.policy import (
@@ -83,13 +85,17 @@ def _int_field(body: dict[str, Any], name: str, default: int | None, minimum: in
 
 
 class SimServer:
-    """The simulated server: `engine` holds its state (version, records, gauges), `app` is the ASGI app."""
+    """The simulated server: `engine` holds its state (version, records, gauges), `app` is the ASGI app.
+
+    Replies carry `X-Slipstream-Instance: <instance_id>` like `slipstream inference`: a new SimServer served on
+    the same port is a restarted server (initial weights, nothing in flight)."""
 
     def __init__(self, config: SimConfig | None = None) -> None:
         self.config = config or SimConfig()
         self.engine = SimEngine(self.config)
         self.num_prefix_cache_resets = 0
         self._ids = itertools.count()
+        self.instance_id = new_instance_id()
         routes = [
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
@@ -100,7 +106,7 @@ class SimServer:
             Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
             Route("/collective_rpc", _guarded(self.collective_rpc), methods=["POST"]),
         ]
-        self.app = Starlette(routes=routes)
+        self.app = Starlette(routes=routes, middleware=[Middleware(InstanceIdMiddleware, instance=self.instance_id)])
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
