@@ -25,7 +25,10 @@ from slipstream.transport.rollouts import (
     write_batch,
 )
 
-FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomize: CI runs the same examples every time (a failure reproduces); new inputs come from changing the tests
+FAST = settings(
+    max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 BASE = {"max_steps": 3, "model": {"name": "some-model"}, "orchestrator": {"batch_size": 8, "group_size": 4}}
 LEAF_KEYS = [option.removeprefix("--") for option, _, _ in describe_fields(RLConfig)]
 SECTIONS = sorted({key.rsplit(".", 1)[0] for key in LEAF_KEYS if "." in key})
@@ -230,7 +233,7 @@ def test_nan_and_infinite_values_are_refused_where_they_make_no_sense(tmp_path):
             assert config is None and key in message, (key, value, message)
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(depth=st.integers(min_value=0, max_value=3))
 def test_an_output_dir_through_a_file_is_a_clean_error_and_writes_nothing(tmp_path_factory, capsys, depth):
     root = tmp_path_factory.mktemp("out")

@@ -102,6 +102,8 @@ def validate_config(cls: type[C], data: dict[str, Any]) -> C:
 def _describe(cls: type[BaseModel], err: Any) -> str:
     loc = [str(p) for p in err["loc"]]
     key = ".".join(loc) or "<config>"
+    if not key.isprintable():  # a key with control characters is shown escaped, on one line
+        key = ascii(key)
     kind = err["type"]
     if kind == "extra_forbidden":
         known = _field_names(cls, loc[:-1])
