@@ -1,6 +1,7 @@
 """Expert parallelism and context parallelism on CPU ranks (gloo) equal one process: loss and gradients after one
 step (<= 1e-5), weights after five steps (<= 1e-4). ep=2 and fsdp=2 x ep=2 train the MoE model with the tokens'
-all-to-all; cp=2 splits every packed row over two ranks that read one batch file (all-gathered K/V)."""
+all-to-all; cp=2 splits every packed row over two ranks that read one batch file (all-gathered K/V); ep=2 x cp=2
+(with activation checkpointing) does both on the same two ranks."""
 
 import pytest
 import torch
@@ -15,6 +16,10 @@ CASES = {
     # name: (family, world size, data-parallel ranks (batch files), parallel config, loss kind)
     "qwen3_moe-ep2": ("qwen3_moe", 2, 2, ParallelConfig(ep=2), "dppo_tv"),
     "qwen3_moe-fsdp2-ep2": ("qwen3_moe", 4, 4, ParallelConfig(ep=2), "dppo_tv"),
+    "qwen3_moe-hsdp2-ep2": ("qwen3_moe", 4, 4, ParallelConfig(dp_replicate=2, ep=2), "dppo_tv"),
+    # One ep group spanning the cp group (the all-to-all moves tokens between the two halves of each row), with
+    # activation checkpointing: recomputation in backward repeats the all-to-alls and the K/V all-gather.
+    "qwen3_moe-ep2-cp2-ac": ("qwen3_moe", 2, 1, ParallelConfig(ep=2, cp=2, activation_checkpointing=True), "dppo_tv"),
     "qwen3-cp2": ("qwen3", 2, 1, ParallelConfig(cp=2), "dppo_tv"),
     # geo_mask needs whole samples' log-ratios, which the cp ranks only have together.
     "qwen3_moe-cp2-geo": ("qwen3_moe", 2, 1, ParallelConfig(cp=2), "geo_mask"),
@@ -46,7 +51,8 @@ def test_ep_and_cp_match_one_process(tiny_model_factory, tmp_path, case):
     run_ranks(
         world_size, train_and_record, _config(model_dir, multi, parallel, loss_kind), tmp_path / "multi.pt", NUM_STEPS
     )
-    train_and_record(_config(model_dir, single, ParallelConfig(), loss_kind), tmp_path / "single.pt", NUM_STEPS)
+    reference_parallel = ParallelConfig(activation_checkpointing=parallel.activation_checkpointing)
+    train_and_record(_config(model_dir, single, reference_parallel, loss_kind), tmp_path / "single.pt", NUM_STEPS)
     got, want = torch.load(tmp_path / "multi.pt"), torch.load(tmp_path / "single.pt")
 
     assert got["grads"].keys() == want["grads"].keys()

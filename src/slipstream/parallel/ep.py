@@ -95,8 +95,8 @@ class ExpertParallel:
         input_splits, output_splits = counts_PE.sum(1).tolist(), received_PE.sum(1).tolist()
         x_RD = all_to_all(x_MD, output_splits, input_splits, self.group)
         perm_R = expert_major_order(received_PE)
-        if self._route is not None:
-            raise RuntimeError("expert-parallel dispatch ran twice without a combine in between")
+        # A recomputation under activation checkpointing may stop between dispatch and combine (early stop): the
+        # next dispatch then replaces its route, which nothing needs any more.
         self._route = _Route(input_splits, output_splits, inverse_permutation(perm_R))
         return x_RD[perm_R], received_PE.sum(0)
 
