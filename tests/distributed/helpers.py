@@ -110,7 +110,7 @@ def train_and_record(config: Any, result_path: Path, num_steps: int) -> None:
     trainer.optimizer.register_step_pre_hook(record_first_grads)
     metrics = []
     for step in range(1, num_steps + 1):
-        batch = read_batch(batch_path(config.output_dir, step, trainer.rank))
+        batch = read_batch(batch_path(config.output_dir, step, trainer.data_rank))
         metrics.append(
             train_step(
                 trainer.policy,

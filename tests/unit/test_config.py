@@ -152,3 +152,12 @@ def test_storage_errors_become_one_clear_line(monkeypatch, capsys, tmp_path):
     assert code == 1
     assert err.startswith(f"error: cannot write {tmp_path / 'weights' / 'step_3'}: No space left on device; free space")
     assert "Traceback" not in err
+
+
+def test_context_parallel_groups_share_one_batch(base_toml):
+    cfg = load_config(RLConfig, ["-c", str(base_toml), "--launch.num_trainer_procs", "4", "--trainer.parallel.cp", "2"])
+    assert cfg.orchestrator.num_trainer_ranks == 2  # one batch per group of cp ranks
+    with pytest.raises(ConfigError, match=r"trainer.parallel.cp \(3\) must divide launch.num_trainer_procs \(4\)"):
+        load_config(RLConfig, ["-c", str(base_toml), "--launch.num_trainer_procs", "4", "--trainer.parallel.cp", "3"])
+    with pytest.raises(ConfigError, match=r"ep \(2\) must be a multiple of trainer.parallel.cp \(4\)"):
+        load_config(RLConfig, ["-c", str(base_toml), "--trainer.parallel.ep", "2", "--trainer.parallel.cp", "4"])

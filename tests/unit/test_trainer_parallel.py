@@ -53,10 +53,19 @@ def test_mesh_dims_errors_say_what_to_change(config, world_size, match):
         resolve_parallel_dims(config, world_size)
 
 
-@pytest.mark.parametrize("name", ["ep", "cp"])
-def test_ep_and_cp_are_rejected_until_implemented(name):
-    with pytest.raises(NotImplementedError, match=f"{name.upper()} is not implemented yet"):
-        resolve_parallel_dims(ParallelConfig(**{name: 2}), world_size=2)
+def test_ep_is_carved_from_dp_shard_and_cp_ranks_share_batches():
+    dims = resolve_parallel_dims(ParallelConfig(ep=2), world_size=4)
+    assert (dims.dp_shard, dims.dp_shard_in_ep, dims.dp_shard_mod_ep, dims.num_data_ranks) == (4, 2, 2, 4)
+    dims = resolve_parallel_dims(ParallelConfig(ep=4, cp=2), world_size=8)
+    assert (dims.dp_shard, dims.dp_shard_in_ep, dims.dp_shard_mod_ep, dims.num_data_ranks) == (4, 2, 2, 4)
+    assert [dims.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    dims = resolve_parallel_dims(ParallelConfig(cp=2), world_size=2)
+    assert (dims.dp_shard, dims.dp_shard_in_ep, dims.dp_shard_mod_ep, dims.num_data_ranks) == (1, 1, 1, 1)
+
+
+def test_ep_must_span_whole_cp_groups():
+    with pytest.raises(ValueError, match=r"ep \(2\) must be a multiple of trainer.parallel.cp \(4\)"):
+        ParallelConfig(ep=2, cp=4)
 
 
 def test_find_blocks_in_ours_transformers_and_wrapped(tiny_qwen3_dir):

@@ -96,15 +96,25 @@ class RLConfig(BaseConfig):
             host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
             orch["inference_url"] = f"http://{host}:{inf.get('port', 8000)}"
         launch = _table(data.get("launch")) or {}
-        orch.setdefault("num_trainer_ranks", launch.get("num_trainer_procs", 1))
+        cp = (_table((_table(data.get("trainer")) or {}).get("parallel")) or {}).get("cp", 1)
+        # The cp ranks of a group share one batch: the orchestrator writes one per group.
+        procs = launch.get("num_trainer_procs", 1)
+        if isinstance(procs, int) and isinstance(cp, int) and cp >= 1:
+            orch.setdefault("num_trainer_ranks", max(procs // cp, 1))
         data["orchestrator"] = orch
         return data
 
     @model_validator(mode="after")
     def _check_ranks(self) -> "RLConfig":
-        if self.orchestrator.num_trainer_ranks != self.launch.num_trainer_procs:
+        cp, procs = self.trainer.parallel.cp, self.launch.num_trainer_procs
+        if procs % cp != 0:
             raise ValueError(
-                "orchestrator.num_trainer_ranks must equal launch.num_trainer_procs; set only launch.num_trainer_procs"
+                f"trainer.parallel.cp ({cp}) must divide launch.num_trainer_procs ({procs}); change one of them"
+            )
+        if self.orchestrator.num_trainer_ranks != procs // cp:
+            raise ValueError(
+                "orchestrator.num_trainer_ranks must equal launch.num_trainer_procs / trainer.parallel.cp (one batch "
+                "per group of cp ranks); set only launch.num_trainer_procs"
             )
         return self
 

@@ -14,7 +14,8 @@ class ParallelConfig(BaseConfig):
     (dp_replicate, dp_shard, cp) whose product must equal the world size; ep divides the dp_shard x cp ranks.
 
     With one rank nothing is sharded. With several, FSDP2 shards every transformer block and the rest of the model
-    over dp_shard (HSDP: replicated over dp_replicate). Each rank trains on its own batch file of a step.
+    over dp_shard x cp (HSDP: replicated over dp_replicate); with ep > 1 the experts are split over ep ranks and
+    FSDP-sharded over the rest (parallel/mesh.py). Each group of cp ranks trains on its own batch file of a step.
     """
 
     dp_replicate: int = Field(1, ge=1)
@@ -24,16 +25,27 @@ class ParallelConfig(BaseConfig):
     """Ranks that shard parameters, gradients and optimizer state (FSDP); default: world_size / (dp_replicate x cp)."""
 
     ep: int = Field(1, ge=1)
-    """Expert-parallel degree for MoE models (experts split over ep ranks taken from dp_shard x cp). Not implemented
-    yet: values > 1 are rejected when the trainer starts."""
+    """Expert-parallel degree for MoE models run by our implementation (qwen3_moe, model_impl "custom"): each MoE
+    layer's experts are split over ep ranks taken from dp_shard x cp, and tokens travel to their experts'
+    rank and back (all-to-all). Must divide the number of experts, and be a multiple of cp when both are > 1."""
 
     cp: int = Field(1, ge=1)
-    """Context-parallel degree (long packed sequences split over cp ranks). Not implemented yet: values > 1 are
-    rejected when the trainer starts."""
+    """Context-parallel degree for our implementation (model_impl "custom"): each packed micro-batch's tokens are
+    split over cp ranks (padded to a multiple of cp), and attention all-gathers keys and values (parallel/cp.py).
+    The cp ranks of a group read one batch file, so the orchestrator writes world_size / cp batches per step."""
 
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward instead of keeping them (less memory, ~1/3 more
     compute). Applies with any number of ranks."""
+
+    @model_validator(mode="after")
+    def _check_ep_spans_cp(self) -> "ParallelConfig":
+        if self.ep > 1 and self.cp > 1 and self.ep % self.cp != 0:
+            raise ValueError(
+                f"trainer.parallel.ep ({self.ep}) must be a multiple of trainer.parallel.cp ({self.cp}) when both are "
+                "> 1: an expert-parallel group spans whole context-parallel groups; change ep or cp"
+            )
+        return self
 
 
 class OptimConfig(BaseConfig):

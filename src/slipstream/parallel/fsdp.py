@@ -1,19 +1,22 @@
-"""Apply parallelism to a model from outside: activation checkpointing per transformer block, then (optionally)
-torch.compile per block, then FSDP2 (`fully_shard`) per block and on the root, with the mixed-precision policy of
-the compute dtype.
+"""Apply parallelism to a model from outside, in DESIGN order: expert parallelism (parallel/ep.py), activation
+checkpointing per transformer block, then (optionally) torch.compile per block, then FSDP2 (`fully_shard`) per block
+(EP-sharded experts first, on their own mesh) and on the root, with the mixed-precision policy of the compute dtype.
+Context parallelism needs no module change: the policy shards each row itself (parallel/cp.py).
 
 Gradients are SUMMED over data-parallel ranks, not averaged: the trainer's loss is already divided by the step's
 loss-token count across all ranks, so the sum is the gradient of the step's mean loss.
 """
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from slipstream.config.trainer import ParallelConfig
-from slipstream.parallel.mesh import fsdp_mesh_dims
+from slipstream.parallel.ep import apply_expert_parallel
+from slipstream.parallel.mesh import TrainerMesh
 
 
 def find_blocks(model: nn.Module) -> nn.ModuleList:
@@ -66,28 +69,37 @@ def apply_compile(model: nn.Module) -> None:
 
 def parallelize_model(
     model: nn.Module,
-    mesh: DeviceMesh | None,
+    mesh: TrainerMesh | None,
     config: ParallelConfig,
     compute_dtype: torch.dtype = torch.float32,
     compile: bool = False,
+    experts: Sequence[nn.Module] = (),
 ) -> nn.Module:
-    """Activation checkpointing (if configured), then torch.compile per block (if `compile`), then FSDP2 per block
-    and on `model` (the root, which then owns the remaining parameters: embeddings, final norm, LM head). Without
-    a mesh (one rank) FSDP does not apply. Returns `model`, modified in place; its parameters end up on the mesh's
-    device."""
+    """Expert parallelism over `mesh.ep` for the stacked-experts modules `experts` (when ep > 1), activation
+    checkpointing (if configured), then torch.compile per block (if `compile`), then FSDP2 per block and on `model`
+    (the root, which then owns the remaining parameters: embeddings, final norm, LM head). EP-sharded experts get
+    their own FSDP unit over `mesh.expert_fsdp`. Without a mesh (one rank) nothing is sharded. Returns `model`,
+    modified in place; its parameters end up on the mesh's device."""
+    expert_parallel = mesh is not None and mesh.ep is not None
+    if expert_parallel:
+        apply_expert_parallel(experts, mesh.ep)
     if config.activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
         apply_compile(model)
     if mesh is None:
         return model
-    fsdp_mesh = mesh[fsdp_mesh_dims(mesh)]
     policy = build_mp_policy(compute_dtype, mesh.device_type)
+    sharded_experts = {id(m) for m in experts} if expert_parallel else set()
     blocks = find_blocks(model)
     for i, block in enumerate(blocks):
         # The last block's parameters would be all-gathered again at once for backward: keep them.
-        fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
+        reshard = i < len(blocks) - 1
+        for module in block.modules():
+            if id(module) in sharded_experts:
+                fully_shard(module, mesh=mesh.expert_fsdp, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh.fsdp, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh.fsdp, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

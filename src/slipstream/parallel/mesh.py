@@ -1,5 +1,20 @@
-"""The trainer's device mesh: (dp_replicate, dp_shard, cp) with named dimensions, sized from ParallelConfig and
-checked against the world size; ep is carved out of dp_shard x cp (as in torchtitan) and does not multiply it."""
+"""The trainer's device mesh, sized from ParallelConfig and checked against the world size, and the sub-meshes each
+kind of parallelism runs on.
+
+World mesh (outermost first): dp_replicate x dp_shard x cp, with dp_shard split as dp_shard_mod_ep x dp_shard_in_ep.
+Expert parallelism is carved out of dp_shard x cp (as in torchtitan) and does not multiply the world: ep =
+dp_shard_in_ep x cp, so an ep group spans whole cp groups (ranks that share one packed row).
+
+| sub-mesh     | dims                                        | what runs on it                                      |
+|--------------|---------------------------------------------|------------------------------------------------------|
+| fsdp         | (dp_replicate,) dp_shard x cp (flattened)   | FSDP of every parameter but the experts               |
+| expert_fsdp  | (dp_replicate,) dp_shard_mod_ep             | FSDP of the experts (each holding E / ep of them)     |
+| ep           | dp_shard_in_ep x cp (flattened)             | expert sharding on dim 0 and the tokens' all-to-all   |
+| cp           | cp                                          | K/V all-gather, log-prob sums                         |
+
+Gradients are summed over every rank (fsdp and expert_fsdp reduce; cp ranks are data-parallel for the weights).
+Ranks of one cp group read the same batch: data rank = rank // cp.
+"""
 
 from dataclasses import dataclass
 
@@ -7,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from slipstream.config.trainer import ParallelConfig
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "cp")
+WORLD_DIMS = ("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp")
 
 
 @dataclass(frozen=True)
@@ -19,6 +34,25 @@ class ParallelDims:
     cp: int
     ep: int
     world_size: int
+
+    @property
+    def dp_shard_in_ep(self) -> int:
+        """dp_shard ranks inside one ep group (ep spans whole cp groups)."""
+        return self.ep // self.cp if self.ep > 1 else 1
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        """dp_shard ranks that hold the same experts: the experts' FSDP degree (x dp_replicate with HSDP)."""
+        return self.dp_shard // self.dp_shard_in_ep
+
+    @property
+    def num_data_ranks(self) -> int:
+        """Ranks with their own batch: all but the cp ranks of one group, which share a batch."""
+        return self.world_size // self.cp
+
+    def data_rank(self, rank: int) -> int:
+        """Index of the batch file that `rank` reads (cp is the innermost mesh dimension)."""
+        return rank // self.cp
 
 
 def resolve_parallel_dims(config: ParallelConfig, world_size: int) -> ParallelDims:
@@ -37,20 +71,46 @@ def resolve_parallel_dims(config: ParallelConfig, world_size: int) -> ParallelDi
             f"trainer.parallel.ep ({config.ep}) must divide dp_shard x cp ({dp_shard} x {config.cp}): expert-parallel "
             "ranks are taken from the data-parallel shard ranks"
         )
-    for name, degree in (("ep", config.ep), ("cp", config.cp)):
-        if degree > 1:
-            raise NotImplementedError(
-                f"trainer.parallel.{name} = {degree}: {name.upper()} is not implemented yet; set it to 1 "
-                "(FSDP over dp_shard and HSDP over dp_replicate are)"
-            )
     return ParallelDims(config.dp_replicate, dp_shard, config.cp, config.ep, world_size)
 
 
-def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """A 3-D mesh named MESH_DIMS over all ranks (needs the default process group)."""
-    return init_device_mesh(device_type, (dims.dp_replicate, dims.dp_shard, dims.cp), mesh_dim_names=MESH_DIMS)
+@dataclass(frozen=True)
+class TrainerMesh:
+    """The world mesh and its named sub-meshes (see the module docstring)."""
+
+    world: DeviceMesh
+    dims: ParallelDims
+
+    @property
+    def device_type(self) -> str:
+        return self.world.device_type
+
+    @property
+    def fsdp(self) -> DeviceMesh:
+        """Shards (and, with HSDP, replicates) every parameter except EP-sharded experts."""
+        return self.world["dp_replicate", "dp_shard_cp"] if self.dims.dp_replicate > 1 else self.world["dp_shard_cp"]
+
+    @property
+    def expert_fsdp(self) -> DeviceMesh:
+        """Shards (HSDP: replicates) the experts a rank holds under EP, over the ranks holding the same experts."""
+        if self.dims.dp_replicate > 1:
+            return self.world["dp_replicate", "dp_shard_mod_ep"]
+        return self.world["dp_shard_mod_ep"]
+
+    @property
+    def ep(self) -> DeviceMesh | None:
+        return self.world["ep"] if self.dims.ep > 1 else None
+
+    @property
+    def cp(self) -> DeviceMesh | None:
+        return self.world["cp"] if self.dims.cp > 1 else None
 
 
-def fsdp_mesh_dims(mesh: DeviceMesh) -> tuple[str, ...]:
-    """Mesh dimensions parameters are sharded over (dp_shard) and, with HSDP, replicated over (dp_replicate)."""
-    return ("dp_replicate", "dp_shard") if mesh["dp_replicate"].size() > 1 else ("dp_shard",)
+def build_mesh(dims: ParallelDims, device_type: str) -> TrainerMesh:
+    """The world mesh over all ranks and its flattened dimensions (needs the default process group)."""
+    shape = (dims.dp_replicate, dims.dp_shard_mod_ep, dims.dp_shard_in_ep, dims.cp)
+    world = init_device_mesh(device_type, shape, mesh_dim_names=WORLD_DIMS)
+    world["dp_shard_mod_ep", "dp_shard_in_ep", "cp"]._flatten("dp_shard_cp")
+    if dims.ep > 1:
+        world["dp_shard_in_ep", "cp"]._flatten("ep")
+    return TrainerMesh(world, dims)

@@ -101,7 +101,8 @@ def count_loss_tokens(batch: TrainingBatch) -> int:
 
 
 def validate_batch(batch: TrainingBatch, step: int, rank: int, world_size: int) -> None:
-    """Check the batch is the one awaited and its loss normaliser matches its loss tokens."""
+    """Check the batch is the one awaited and its loss normaliser matches its loss tokens. `rank` and `world_size`
+    count batch files (data ranks): trainer ranks, except that the cp ranks of a group share one."""
     if (batch.step, batch.rank) != (step, rank):
         raise MicroBatchError(f"expected the batch of step {step} rank {rank}, got step {batch.step} rank {batch.rank}")
     local = count_loss_tokens(batch)
@@ -113,5 +114,5 @@ def validate_batch(batch: TrainingBatch, step: int, rank: int, world_size: int) 
     if world_size == 1 and local != batch.num_loss_tokens:
         raise MicroBatchError(
             f"step {step}: batch.num_loss_tokens={batch.num_loss_tokens} but the only rank's micro-batches hold "
-            f"{local} loss tokens; they must be equal with one trainer rank"
+            f"{local} loss tokens; they must be equal with one batch per step"
         )

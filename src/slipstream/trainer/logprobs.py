@@ -10,7 +10,9 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import Tensor, nn
 
+from slipstream.models.common.attention import ContextShard
 from slipstream.models.common.transformer import DecoderLM
+from slipstream.parallel.cp import ContextParallel
 from slipstream.trainer.data import PackedMicroBatch, PaddedLayout, build_padded_layout, pack, unpack
 from slipstream.trainer.lm_head import lm_head_logprobs
 from slipstream.trainer.row_layout import use_padded_rows
@@ -50,6 +52,7 @@ def packed_logprobs(
     temperatures_T: Tensor,
     chunk_size: int,
     target_mask_T: Tensor | None = None,
+    context_parallel: ContextParallel | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`compute_logprobs` on the micro-batch's tensors. Packed samples never attend to each other: our models
     separate them by position_ids (one row, no padding) or run one padded row per sample where that is cheaper
@@ -57,8 +60,16 @@ def packed_logprobs(
 
     With `target_mask_T` (the loss mask) the LM head runs only for those tokens: log-prob and entropy are 0
     elsewhere (prompt tokens' log-probs are never used by the loss, and the head is a quarter of the step's FLOPs).
+    With `context_parallel` (our models only) this rank runs its shard of the row and the LM head for the targets it
+    owns; the results are summed over the cp group, so every cp rank returns the whole row's values.
     """
     layout = build_padded_layout(position_ids_T)
+    # Token t (not a sample start) is predicted from the hidden state of token t - 1 of the same sample.
+    is_target_T = ~layout.is_start_T if target_mask_T is None else target_mask_T & ~layout.is_start_T
+    if context_parallel is not None:
+        return _context_parallel_logprobs(
+            model, context_parallel, input_ids_T, position_ids_T, temperatures_T, chunk_size, is_target_T
+        )
     if is_custom_model(model):
         hidden_TD = custom_hidden(model, input_ids_T, position_ids_T, layout)
         head_weight_VD, head_bias_V = model.lm_head_weight, None
@@ -73,19 +84,55 @@ def packed_logprobs(
         hidden_TD = pack(out.last_hidden_state, layout)
         lm_head = model.get_output_embeddings()
         head_weight_VD, head_bias_V = lm_head.weight, lm_head.bias
-
-    # Token t (not a sample start) is predicted from the hidden state of token t - 1 of the same sample.
-    is_target_T = ~layout.is_start_T if target_mask_T is None else target_mask_T & ~layout.is_start_T
     target_N = torch.nonzero(is_target_T).squeeze(-1)
-    logprobs_N, entropy_N = chunked_lm_head_logprobs(
-        head_weight_VD,
-        hidden_TD[target_N - 1],
-        input_ids_T[target_N],
-        temperatures_T[target_N],
-        chunk_size,
-        head_bias_V,
+    return _scatter_head_logprobs(
+        head_weight_VD, head_bias_V, hidden_TD[target_N - 1], input_ids_T, temperatures_T, target_N, chunk_size
     )
-    zeros_T = torch.zeros(input_ids_T.numel(), dtype=torch.float32, device=hidden_TD.device)
+
+
+def _context_parallel_logprobs(
+    model: nn.Module,
+    cp: ContextParallel,
+    input_ids_T: Tensor,
+    position_ids_T: Tensor,
+    temperatures_T: Tensor,
+    chunk_size: int,
+    is_target_T: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """packed_logprobs of our model with the row sharded over the cp group (parallel/cp.py)."""
+    if not is_custom_model(model):
+        raise NotImplementedError("context parallelism runs our models only (trainer.model_impl = 'custom')")
+    shard = cp.shard_row(input_ids_T, position_ids_T)
+    context = ContextShard(shard.row_position_ids_T[None], shard.offset, cp.gather_tokens)
+    hidden_tD = model.forward_hidden(shard.input_ids_t[None], shard.position_ids_t[None], context)[0]
+    owned_T = cp.owned_tokens(input_ids_T.numel(), input_ids_T.device)
+    target_N = torch.nonzero(is_target_T & owned_T).squeeze(-1)
+    logprobs_T, entropy_T = _scatter_head_logprobs(
+        model.lm_head_weight,
+        None,
+        hidden_tD[target_N - 1 - shard.offset],
+        input_ids_T,
+        temperatures_T,
+        target_N,
+        chunk_size,
+    )
+    return cp.sum_over_ranks(logprobs_T), cp.sum_over_ranks(entropy_T).detach()
+
+
+def _scatter_head_logprobs(
+    head_weight_VD: Tensor,
+    head_bias_V: Tensor | None,
+    hidden_ND: Tensor,
+    input_ids_T: Tensor,
+    temperatures_T: Tensor,
+    target_N: Tensor,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor]:
+    """(logprobs_T, entropy_T): the LM head for targets `target_N` (predicted from `hidden_ND`), 0 elsewhere."""
+    logprobs_N, entropy_N = chunked_lm_head_logprobs(
+        head_weight_VD, hidden_ND, input_ids_T[target_N], temperatures_T[target_N], chunk_size, head_bias_V
+    )
+    zeros_T = torch.zeros(input_ids_T.numel(), dtype=torch.float32, device=hidden_ND.device)
     return zeros_T.index_copy(0, target_N, logprobs_N), zeros_T.index_copy(0, target_N, entropy_N)
 
 

@@ -43,13 +43,15 @@ def rl_loss(
     num_loss_tokens: int,
     config: LossConfig,
     position_ids_T: Tensor | None = None,
+    owned_T: Tensor | None = None,
 ) -> tuple[Tensor, LossStats]:
     """Sum over loss tokens of `pg + kl_coef * log_ratio^2`, divided by `num_loss_tokens`; `pg` per `config.kind`
     (see LossConfig.kind). Gradients flow through lp only.
 
     `num_loss_tokens` is the whole step's count across all ranks, so summing the returned losses of every
     micro-batch of every rank gives the step's mean. `position_ids_T` (restarting at 0 at each packed sample)
-    is required by "geo_mask" to find the samples.
+    is required by "geo_mask" to find the samples. With `owned_T` (context parallelism: ranks share a micro-batch)
+    the loss and the stats add up only those tokens, while masks still see every token of the micro-batch.
     """
     if num_loss_tokens <= 0:
         raise ValueError(f"num_loss_tokens must be > 0 (got {num_loss_tokens}): the step has no loss tokens")
@@ -70,8 +72,9 @@ def rl_loss(
         pg_T, acted_T = -(keep_T.to(logprobs_T.dtype) * advantages_T * kept_ratio_T), masked_T
 
     loss_T = pg_T + config.kl_coef * log_ratio_T.square()
-    loss = torch.where(loss_mask_T, loss_T, torch.zeros_like(loss_T)).sum() / num_loss_tokens
-    return loss, _stats(loss, log_ratio_T, loss_mask_T, acted_T)
+    summed_T = loss_mask_T if owned_T is None else loss_mask_T & owned_T
+    loss = torch.where(summed_T, loss_T, torch.zeros_like(loss_T)).sum() / num_loss_tokens
+    return loss, _stats(loss, log_ratio_T, summed_T, acted_T & summed_T)
 
 
 def dppo_kl_loss(

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from slipstream.parallel.cp import ContextParallel
 from slipstream.trainer.logprobs import DEFAULT_CHUNK_SIZE, packed_logprobs
 
 WRAPPED_PREFIX = "model."
@@ -18,19 +19,37 @@ WRAPPED_PREFIX = "model."
 
 class Policy(nn.Module):
     """`forward(input_ids_T, position_ids_T, temperatures_T, loss_mask_T=None) -> (logprobs_T, entropy_T)`
-    (see packed_logprobs): with `loss_mask_T` the LM head runs only for loss tokens (0 elsewhere)."""
+    (see packed_logprobs): with `loss_mask_T` the LM head runs only for loss tokens (0 elsewhere).
 
-    def __init__(self, model: nn.Module, chunk_size: int = DEFAULT_CHUNK_SIZE):
+    With `context_parallel` (parallel/cp.py) the ranks of a cp group pass the same micro-batch, each runs its shard
+    of the row, and each returns the whole row's values; `owned_tokens` says which tokens' loss a rank adds up."""
+
+    def __init__(
+        self, model: nn.Module, chunk_size: int = DEFAULT_CHUNK_SIZE, context_parallel: ContextParallel | None = None
+    ):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
+        self.context_parallel = context_parallel
 
     def forward(
         self, input_ids_T: Tensor, position_ids_T: Tensor, temperatures_T: Tensor, loss_mask_T: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         return packed_logprobs(
-            self.model, input_ids_T, position_ids_T, temperatures_T, self.chunk_size, target_mask_T=loss_mask_T
+            self.model,
+            input_ids_T,
+            position_ids_T,
+            temperatures_T,
+            self.chunk_size,
+            target_mask_T=loss_mask_T,
+            context_parallel=self.context_parallel,
         )
+
+    def owned_tokens(self, num_tokens: int, device: torch.device) -> Tensor | None:
+        """owned_T: the tokens of a micro-batch whose loss this rank adds up; None (all of them) without CP."""
+        if self.context_parallel is None:
+            return None
+        return self.context_parallel.owned_tokens(num_tokens, device)
 
 
 def load_model(model_dir: Path, impl: str) -> tuple[nn.Module, str]:

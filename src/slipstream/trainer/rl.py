@@ -23,8 +23,8 @@ def run_trainer(config: TrainerConfig) -> None:
         nonfinite = NonFiniteGuard(config.max_nonfinite_steps)
         for step in range(trainer.start_step + 1, config.max_steps + 1):
             t_start = time.perf_counter()
-            batch = wait_for_batch(config.output_dir, step, trainer.rank, config.batch_timeout_s)
-            validate_batch(batch, step, trainer.rank, trainer.world_size)
+            batch = wait_for_batch(config.output_dir, step, trainer.data_rank, config.batch_timeout_s)
+            validate_batch(batch, step, trainer.data_rank, trainer.num_data_ranks)
             t_batch = time.perf_counter()
             metrics = train_step(
                 trainer.policy,

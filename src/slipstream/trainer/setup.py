@@ -10,9 +10,11 @@ import torch.distributed as dist
 from torch import nn
 
 from slipstream.config.trainer import TrainerConfig
+from slipstream.models.common.moe import find_grouped_experts
+from slipstream.parallel.cp import ContextParallel
 from slipstream.parallel.dist import RankInfo, barrier, init_distributed, rank_device, read_rank_info
 from slipstream.parallel.fsdp import fsdp_param_dtype, parallelize_model
-from slipstream.parallel.mesh import build_mesh, resolve_parallel_dims
+from slipstream.parallel.mesh import ParallelDims, build_mesh, resolve_parallel_dims
 from slipstream.trainer.ckpt import CheckpointMeta, load_checkpoint, resolve_resume_step
 from slipstream.trainer.policy import Policy, load_model
 from slipstream.trainer.weights import build_probe_token_ids
@@ -47,6 +49,10 @@ class Trainer:
     """transformers config of the model folder."""
     model_dir: Path
     """The HF folder the initial weights came from."""
+    data_rank: int = 0
+    """Index of the batch file this rank trains on (the ranks of one cp group share it)."""
+    num_data_ranks: int = 1
+    """Batch files per step: world_size / cp."""
     start_step: int = 0
     """Last step already trained (from the checkpoint resumed from); the loop starts at start_step + 1."""
     owns_process_group: bool = False
@@ -83,9 +89,18 @@ def setup_trainer(config: TrainerConfig) -> Trainer:
 
     model_dir = resolve_model_once(config.model.name, info)
     model, impl = load_model(model_dir, config.model_impl)
+    check_parallel_fits_model(dims, model, impl)
     compute_dtype = DTYPES[config.model.dtype]
     mesh = build_mesh(dims, device.type) if info.world_size > 1 else None
-    policy = parallelize_model(Policy(model), mesh, config.parallel, compute_dtype, compile=config.compile)
+    context_parallel = ContextParallel(mesh.cp) if mesh is not None and mesh.cp is not None else None
+    policy = parallelize_model(
+        Policy(model, context_parallel=context_parallel),
+        mesh,
+        config.parallel,
+        compute_dtype,
+        compile=config.compile,
+        experts=find_grouped_experts(model),
+    )
     if mesh is None:
         policy.to(device)
     autocast_dtype = compute_dtype
@@ -106,10 +121,36 @@ def setup_trainer(config: TrainerConfig) -> Trainer:
         impl=impl,
         hf_config=AutoConfig.from_pretrained(model_dir),
         model_dir=model_dir,
+        data_rank=dims.data_rank(info.rank),
+        num_data_ranks=dims.num_data_ranks,
         owns_process_group=owns_process_group,
     )
     maybe_resume(trainer, config)
     return trainer
+
+
+def check_parallel_fits_model(dims: ParallelDims, model: nn.Module, impl: str) -> None:
+    """Expert and context parallelism need our model implementation (and EP a mixture of experts whose expert
+    count ep divides): say which trainer.parallel field to change otherwise."""
+    if dims.cp > 1 and impl != "custom":
+        raise ValueError(
+            f"trainer.parallel.cp = {dims.cp} needs trainer.model_impl = 'custom' (context parallelism lives in our "
+            "attention); set model_impl = 'custom' for a supported model type, or cp = 1"
+        )
+    if dims.ep == 1:
+        return
+    experts = find_grouped_experts(model) if impl == "custom" else []
+    if not experts:
+        raise ValueError(
+            f"trainer.parallel.ep = {dims.ep} needs a mixture-of-experts model run by our implementation "
+            f"(model_impl 'custom', e.g. qwen3_moe); this {impl} {type(model).__name__} has no experts: set ep = 1"
+        )
+    for module in experts:
+        if module.num_experts % dims.ep != 0:
+            raise ValueError(
+                f"trainer.parallel.ep = {dims.ep} must divide the number of experts ({module.num_experts}); pick an "
+                "ep that divides it"
+            )
 
 
 def build_optimizer(policy: nn.Module, config: TrainerConfig, device: torch.device) -> torch.optim.Optimizer:

@@ -31,8 +31,8 @@ def train_step(
     """Accumulate gradients of every micro-batch (each loss already divided by the step's loss-token count across
     ranks), clip the global gradient norm, step the optimizer and zero the gradients.
 
-    `policy` maps (input_ids_T, position_ids_T, temperatures_T, loss_mask_T) to (logprobs_T, entropy_T), both 0
-    outside the loss mask (trainer/policy.py).
+    `policy` (trainer/policy.py) maps (input_ids_T, position_ids_T, temperatures_T, loss_mask_T) to (logprobs_T,
+    entropy_T), both 0 outside the loss mask, and says which tokens' loss this rank owns (`owned_tokens`).
     Its parameters are the float32 masters; with `autocast_dtype` bfloat16 the forward runs under autocast
     (backward follows it), so AdamW always updates float32 weights.
     """
@@ -51,6 +51,8 @@ def train_step(
             logprobs_T, entropy_T = policy(
                 packed.input_ids_T, packed.position_ids_T, packed.temperatures_T, packed.loss_mask_T
             )
+        # Context parallelism: the cp ranks share this micro-batch, and each adds up the loss of its own tokens.
+        owned_T = policy.owned_tokens(packed.num_tokens, device)
         loss, stats = rl_loss(
             logprobs_T,
             packed.inference_logprobs_T,
@@ -59,14 +61,16 @@ def train_step(
             num_loss_tokens=batch.num_loss_tokens,
             config=loss_config,
             position_ids_T=packed.position_ids_T,
+            owned_T=owned_T,
         )
         if is_padding:
             (loss * 0.0).backward()  # keeps this rank in step with the others' collectives; adds no gradient
             continue
         loss.backward()
         total = stats if total is None else total + stats
-        entropy_sum += torch.where(packed.loss_mask_T, entropy_T, 0.0).sum()
-        num_tokens += packed.num_tokens
+        summed_T = packed.loss_mask_T if owned_T is None else packed.loss_mask_T & owned_T
+        entropy_sum += torch.where(summed_T, entropy_T, 0.0).sum()
+        num_tokens += packed.num_tokens if owned_T is None else int(owned_T.sum())
 
     grad_norm, skipped = clip_and_step(policy, optimizer, max_grad_norm)
     metrics = summarize_step(total, entropy_sum, grad_norm, optimizer, batch, num_tokens)

@@ -6,16 +6,21 @@ another sample), with one path per device and layout, picked once per forward by
 | "causal"      | CUDA, every row holds one sample                 | SDPA is_causal=True (cuDNN, else flash)        |
 | "varlen"      | CUDA, packed rows, 16-bit compute (bf16 / fp16)  | flash attention varlen over cu_seqlens         |
 | "reference"   | anything else (CPU; float32 packed rows on CUDA) | block-diagonal causal mask + SDPA, O(T^2) mask |
+| "context_parallel" | a ContextShard is given (any device)        | all-gathered K/V + the reference mask at offset |
 
 Packed rows on CUDA also take the reference where torch has no `torch.nn.attention.varlen` (before 2.10).
+Under context parallelism (parallel/cp.py) the rows hold one shard of longer rows: keys and values are all-gathered
+through `ContextShard.gather_kv` and the shard's queries attend with the reference's mask, offset to the shard; GPUs
+take this masked SDPA path too (no fused kernel takes a query offset into a packed mask).
 `packed_attention` (the reference) defines the result; tests/gpu checks every GPU path against it. On an H100 with
 torch 2.11 (benchmarks/RESULTS.md) the causal path runs cuDNN's kernel, 1.8x faster than flash there.
 
 Legend: B = rows, T = tokens per row, N = B * T tokens, S = samples (over all rows), D = hidden size,
-H = query heads, G = key/value heads, K = head dim.
+H = query heads, G = key/value heads, K = head dim, t = tokens of a context-parallel shard of a row.
 """
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +56,17 @@ _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
+class ContextShard:
+    """Context parallelism, set up from outside: the rows given to the model are tokens [offset, offset + t) of
+    longer rows whose positions are `kv_position_ids_BT` (T tokens, every cp rank's shard in order)."""
+
+    kv_position_ids_BT: Tensor
+    offset: int
+    gather_kv: Callable[[Tensor], Tensor]
+    """[B, t, ...] of this rank -> [B, T, ...] of every cp rank along dim 1, differentiable (backward reduce-scatters)."""
+
+
+@dataclass(frozen=True)
 class AttentionLayout:
     """How the samples of a packed batch lie in its rows, and which attention path runs them."""
 
@@ -61,6 +77,10 @@ class AttentionLayout:
     """varlen only: int32 offsets of each sample in the flattened N tokens, then N."""
     max_seqlen: int = 0
     """varlen only: the longest sample."""
+    context: ContextShard | None = None
+    """context_parallel only: where the rows' tokens sit in the whole rows."""
+    mask_B1TT: Tensor | None = None
+    """context_parallel only: [B, 1, t, T], True where a query of the shard may attend to a key of the row."""
 
 
 def sample_ids(position_ids_BT: Tensor) -> Tensor:
@@ -69,11 +89,16 @@ def sample_ids(position_ids_BT: Tensor) -> Tensor:
     return (position_ids_BT == 0).cumsum(dim=-1)
 
 
-def build_attention_layout(position_ids_BT: Tensor, compute_dtype: torch.dtype) -> AttentionLayout:
+def build_attention_layout(
+    position_ids_BT: Tensor, compute_dtype: torch.dtype, context: ContextShard | None = None
+) -> AttentionLayout:
     """Pick the attention path for this batch (one host sync on CUDA; none on CPU).
 
     `compute_dtype` is the dtype attention runs in (the autocast dtype, or the activations' dtype without autocast).
     """
+    if context is not None:
+        mask_B1tT = build_shard_causal_mask(context, position_ids_BT.shape[-1])
+        return AttentionLayout("context_parallel", position_ids_BT, context=context, mask_B1TT=mask_B1tT)
     if position_ids_BT.device.type != "cuda":
         return AttentionLayout("reference", position_ids_BT)
     starts_BT = position_ids_BT == 0
@@ -99,6 +124,26 @@ def build_packed_causal_mask(position_ids_BT: Tensor) -> Tensor:
     same_sample_BTT = ids_BT[:, :, None] == ids_BT[:, None, :]
     causal_TT = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=position_ids_BT.device).tril()
     return (same_sample_BTT & causal_TT).unsqueeze(1)
+
+
+def build_shard_causal_mask(context: ContextShard, num_queries: int) -> Tensor:
+    """mask_B1tT: `build_packed_causal_mask` of the whole rows, restricted to the shard's query rows."""
+    ids_BT = sample_ids(context.kv_position_ids_BT)
+    device = ids_BT.device
+    query_t = torch.arange(context.offset, context.offset + num_queries, device=device)
+    ids_Bt = ids_BT[:, context.offset : context.offset + num_queries]
+    causal_tT = torch.arange(ids_BT.shape[-1], device=device)[None, :] <= query_t[:, None]
+    return ((ids_Bt[:, :, None] == ids_BT[:, None, :]) & causal_tT).unsqueeze(1)
+
+
+def context_parallel_attention(q_BtHK: Tensor, k_BtGK: Tensor, v_BtGK: Tensor, layout: AttentionLayout) -> Tensor:
+    """o_BtHK of the shard's queries over the keys and values of the whole rows (one all-gather for K and V)."""
+    kv_BT2GK = layout.context.gather_kv(torch.stack((k_BtGK, v_BtGK), dim=2))
+    k_BGTK, v_BGTK = kv_BT2GK[:, :, 0].transpose(1, 2), kv_BT2GK[:, :, 1].transpose(1, 2)
+    o_BHtK = F.scaled_dot_product_attention(
+        q_BtHK.transpose(1, 2), k_BGTK, v_BGTK, attn_mask=layout.mask_B1TT, enable_gqa=True
+    )
+    return o_BHtK.transpose(1, 2)
 
 
 def packed_attention(q_BHTK: Tensor, k_BGTK: Tensor, v_BGTK: Tensor, position_ids_BT: Tensor) -> Tensor:
@@ -130,6 +175,8 @@ def attention(q_BTHK: Tensor, k_BTGK: Tensor, v_BTGK: Tensor, layout: AttentionL
             q_BTHK.flatten(0, 1), k_BTGK.flatten(0, 1), v_BTGK.flatten(0, 1), layout.cu_seqlens_S1, layout.max_seqlen
         )
         return o_NHK.view(B, T, *o_NHK.shape[1:])
+    if layout.backend == "context_parallel":
+        return context_parallel_attention(q_BTHK, k_BTGK, v_BTGK, layout)
     q_BHTK, k_BGTK, v_BGTK = q_BTHK.transpose(1, 2), k_BTGK.transpose(1, 2), v_BTGK.transpose(1, 2)
     if layout.backend == "causal":
         return causal_attention(q_BHTK, k_BGTK, v_BGTK).transpose(1, 2)

@@ -1,5 +1,6 @@
 """Token-choice mixture of experts: softmax top-k router with float32 logits, and SwiGLU experts stored as stacked
-[E, ...] tensors so that `torch._grouped_mm` (and later expert parallelism) can run all experts in one call.
+[E, ...] tensors so that `torch._grouped_mm` can run all experts in one call. The experts module takes the routed
+rows already sorted by expert, with per-expert counts: expert parallelism (parallel/ep.py) wraps exactly that call.
 
 Legend: N = tokens (rows x tokens per row, flattened), D = hidden size, E = experts, A = active experts per token
 (top-k), F = expert hidden size, M = N * A routed (token, expert) pairs.
@@ -35,8 +36,11 @@ class TopKRouter(nn.Module):
 class GroupedExperts(nn.Module):
     """E SwiGLU experts as stacked weights in nn.Linear layout: gate_proj/up_proj [E, F, D], down_proj [E, D, F].
 
-    `use_grouped_mm` runs all experts through `torch._grouped_mm` (one kernel per projection on GPU; CPU works
-    too); otherwise a loop over the experts that received tokens (the CPU reference). Both give the same result.
+    `forward(x_MD, counts_E)` takes rows sorted by expert (`counts_E[e]` rows for expert e, in order). Under expert
+    parallelism the weights are DTensors sharded on dim 0 and the rows are those of this rank's experts: the
+    forward then runs on the local [E / ep, ...] weights. `use_grouped_mm` runs all experts through
+    `torch._grouped_mm` (one kernel per projection on GPU; CPU works too); otherwise a loop over the experts (the
+    CPU reference). Both give the same result.
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = False):
@@ -46,37 +50,48 @@ class GroupedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
 
-    def forward(self, x_ND: Tensor, expert_ids_NA: Tensor, weights_NA: Tensor) -> Tensor:
-        """y_ND = sum over a token's A experts of weight * expert(x)."""
-        top_k = expert_ids_NA.shape[1]
-        # Sort the (token, expert) pairs by expert so each expert sees one contiguous slice of rows.
-        order_M = torch.argsort(expert_ids_NA.reshape(-1), stable=True)
-        token_M = order_M // top_k
-        counts_E = torch.bincount(expert_ids_NA.reshape(-1), minlength=self.num_experts)
-        x_MD = x_ND[token_M]
-        y_MD = self._grouped_mm(x_MD, counts_E) if self.use_grouped_mm else self._loop(x_MD, counts_E)
-        y_MD = y_MD * weights_NA.reshape(-1)[order_M, None].to(y_MD.dtype)
-        # Under autocast the expert matmuls return bf16 while x (the residual stream) stays float32.
-        return torch.zeros_like(x_ND).index_add_(0, token_M, y_MD.to(x_ND.dtype))
+    def forward(self, x_MD: Tensor, counts_E: Tensor) -> Tensor:
+        """y_MD: row m through the SwiGLU of the expert it is sorted under."""
+        weights = tuple(_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        if self.use_grouped_mm:
+            return self._grouped_mm(x_MD, counts_E, *weights)
+        return self._loop(x_MD, counts_E, *weights)
 
-    def _loop(self, x_MD: Tensor, counts_E: Tensor) -> Tensor:
+    @staticmethod
+    def _loop(x_MD: Tensor, counts_E: Tensor, gate_EFD: Tensor, up_EFD: Tensor, down_EDF: Tensor) -> Tensor:
         outputs = []
+        # Experts without rows still run (empty matmuls): every expert weight then gets a gradient, zero or not, which
+        # FSDP's gradient reduction needs on every rank.
         for e, x_mD in enumerate(torch.split(x_MD, counts_E.tolist())):
-            if x_mD.shape[0] == 0:
-                continue
-            h_mF = F.silu(x_mD @ self.gate_proj[e].T) * (x_mD @ self.up_proj[e].T)
-            outputs.append(h_mF @ self.down_proj[e].T)
-        return torch.cat(outputs) if outputs else x_MD.new_zeros(x_MD.shape)
+            h_mF = F.silu(x_mD @ gate_EFD[e].T) * (x_mD @ up_EFD[e].T)
+            outputs.append(h_mF @ down_EDF[e].T)
+        return torch.cat(outputs)
 
-    def _grouped_mm(self, x_MD: Tensor, counts_E: Tensor) -> Tensor:
+    @staticmethod
+    def _grouped_mm(x_MD: Tensor, counts_E: Tensor, gate_EFD: Tensor, up_EFD: Tensor, down_EDF: Tensor) -> Tensor:
         offsets_E = counts_E.cumsum(0).to(torch.int32)
-        gate_MF = torch._grouped_mm(x_MD, self.gate_proj.transpose(-2, -1), offs=offsets_E)
-        up_MF = torch._grouped_mm(x_MD, self.up_proj.transpose(-2, -1), offs=offsets_E)
-        return torch._grouped_mm(F.silu(gate_MF) * up_MF, self.down_proj.transpose(-2, -1), offs=offsets_E)
+        gate_MF = torch._grouped_mm(x_MD, gate_EFD.transpose(-2, -1), offs=offsets_E)
+        up_MF = torch._grouped_mm(x_MD, up_EFD.transpose(-2, -1), offs=offsets_E)
+        return torch._grouped_mm(F.silu(gate_MF) * up_MF, down_EDF.transpose(-2, -1), offs=offsets_E)
 
     def init_weights(self, std: float) -> None:
         for weight in (self.gate_proj, self.up_proj, self.down_proj):
             nn.init.normal_(weight, mean=0.0, std=std)
+
+
+def _local(weight: Tensor) -> Tensor:
+    """This rank's part of a weight sharded from outside (a DTensor, duck-typed: model code does not import
+    torch.distributed); the weight itself otherwise."""
+    return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
+def sort_by_expert(expert_ids_NA: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(order_M, token_M, counts_E): the (token, expert) pairs sorted by expert (stable), each pair's token, and the
+    pairs per expert. Pair m of the sorted order is flat pair `order_M[m]` of expert_ids_NA."""
+    top_k = expert_ids_NA.shape[1]
+    order_M = torch.argsort(expert_ids_NA.reshape(-1), stable=True)
+    counts_E = torch.bincount(expert_ids_NA.reshape(-1), minlength=num_experts)
+    return order_M, order_M // top_k, counts_E
 
 
 class MoE(nn.Module):
@@ -103,7 +118,12 @@ class MoE(nn.Module):
     def forward(self, x_BTD: Tensor) -> tuple[Tensor, Tensor]:
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
         probs_NE, expert_ids_NA, weights_NA = self.router(x_ND)
-        y_ND = self.experts(x_ND, expert_ids_NA, weights_NA.to(x_ND.dtype))
+        # y = sum over a token's A experts of weight * expert(x), with each expert's rows contiguous.
+        order_M, token_M, counts_E = sort_by_expert(expert_ids_NA, self.num_experts)
+        y_MD = self.experts(x_ND[token_M], counts_E)
+        y_MD = y_MD * weights_NA.reshape(-1)[order_M, None].to(y_MD.dtype)
+        # Under autocast the expert matmuls return bf16 while x (the residual stream) stays float32.
+        y_ND = torch.zeros_like(x_ND).index_add_(0, token_M, y_MD.to(x_ND.dtype))
         return y_ND.view_as(x_BTD), self._load_balance_loss(probs_NE, expert_ids_NA)
 
     def _load_balance_loss(self, probs_NE: Tensor, expert_ids_NA: Tensor) -> Tensor:
@@ -155,3 +175,8 @@ def collect_moe_stats(model: nn.Module) -> MoEStats:
         router_prob_mean_LE=torch.stack([m.router_prob_mean_E for m in layers]),
         aux_loss_L=torch.stack([m.aux_loss for m in layers]),
     )
+
+
+def find_grouped_experts(model: nn.Module) -> list[GroupedExperts]:
+    """The stacked-experts modules of `model`, in depth order (what expert parallelism shards)."""
+    return [m for m in model.modules() if isinstance(m, GroupedExperts)]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from slipstream.models.common.args import TransformerArgs
-from slipstream.models.common.attention import Attention, AttentionLayout, build_attention_layout
+from slipstream.models.common.attention import Attention, AttentionLayout, ContextShard, build_attention_layout
 from slipstream.models.common.norm import RMSNorm
 from slipstream.models.common.rope import rope_cos_sin
 
@@ -82,11 +82,16 @@ class DecoderLM(nn.Module):
         """The [V, D] output projection (the embedding matrix when tied)."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward_hidden(self, input_ids_BT: Tensor, position_ids_BT: Tensor) -> Tensor:
-        """h_BTD: final-normed hidden states; samples of a row (position_ids restart at 0) never see each other."""
-        return self.forward_hidden_with_aux_loss(input_ids_BT, position_ids_BT)[0]
+    def forward_hidden(
+        self, input_ids_BT: Tensor, position_ids_BT: Tensor, context: ContextShard | None = None
+    ) -> Tensor:
+        """h_BTD: final-normed hidden states; samples of a row (position_ids restart at 0) never see each other.
+        With `context` (context parallelism) the rows are one shard of longer rows (common/attention.py)."""
+        return self.forward_hidden_with_aux_loss(input_ids_BT, position_ids_BT, context)[0]
 
-    def forward_hidden_with_aux_loss(self, input_ids_BT: Tensor, position_ids_BT: Tensor) -> tuple[Tensor, Tensor]:
+    def forward_hidden_with_aux_loss(
+        self, input_ids_BT: Tensor, position_ids_BT: Tensor, context: ContextShard | None = None
+    ) -> tuple[Tensor, Tensor]:
         """(h_BTD, aux_loss_L): hidden states and the differentiable auxiliary losses of the blocks that have one
         (empty for dense models); adding them to a loss is the caller's choice."""
         h_BTD = self.embed_tokens(input_ids_BT)
@@ -94,7 +99,7 @@ class DecoderLM(nn.Module):
         device_type = h_BTD.device.type
         autocast = torch.is_autocast_enabled(device_type)
         layout = build_attention_layout(
-            position_ids_BT, torch.get_autocast_dtype(device_type) if autocast else h_BTD.dtype
+            position_ids_BT, torch.get_autocast_dtype(device_type) if autocast else h_BTD.dtype, context
         )
         aux_losses = []
         for layer in self.layers:
