@@ -100,7 +100,7 @@ def test_models_on_cuda_match_reference_attention_and_cpu(family, monkeypatch):
             alone = []
             for ids_BT in torch.split(input_ids_BT, lengths, dim=1):
                 alone.append(model(ids_BT, torch.arange(ids_BT.shape[1], device=CUDA)[None]).float())
-            monkeypatch.setattr(transformer, "build_attention_layout", lambda p, _: AttentionLayout("reference", p))
+            monkeypatch.setattr(transformer, "build_attention_layout", lambda p, *_: AttentionLayout("reference", p))
             reference_attention = model(input_ids_BT, position_ids_BT).float()
     alone = torch.cat(alone, dim=1)
     print(family, {"packed": rel(packed, reference_attention), "alone": rel(alone, reference_attention)})
