@@ -137,6 +137,8 @@ def test_kill_and_resume_matches_an_uninterrupted_run(victim, reference, tiny_qw
     resume_step = int(re.search(r"resuming \S+ after step (\d+)", stdout).group(1))
     assert 1 <= resume_step <= len(trained_before)
     assert f"resumed from {out}/checkpoints/step_{resume_step}" in (out / "logs" / "trainer.log").read_text()
+    trained_after = [int(s) for s in re.findall(r"\] step (\d+)/", stdout)]  # the launcher's progress lines
+    assert trained_after == list(range(resume_step + 1, MAX_STEPS + 1)), stdout
 
     # every step trained exactly once, and each the same as in the uninterrupted run
     metrics, want = _metrics(out), _metrics(reference)

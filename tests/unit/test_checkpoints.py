@@ -106,7 +106,7 @@ def test_prepare_resume_removes_everything_after_the_step(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
-    assert (tmp_path / "weight_checks.jsonl").read_text().count("\n") == 2
+    assert (tmp_path / "weight_checks.jsonl").read_text().count("\n") == 1  # step 2 is loaded and checked again
     assert prepare_resume(tmp_path, 2) == []  # idempotent
     assert prepare_resume(tmp_path, 0)  # start over: nothing of any step is left
     assert not (tmp_path / "metrics.jsonl").read_text() and not list((tmp_path / "weights").iterdir())

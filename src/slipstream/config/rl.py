@@ -64,7 +64,8 @@ class RLConfig(BaseConfig):
     resume: bool = False
     """`--resume`: continue the run in output_dir from its newest committed checkpoint: later steps' rollouts,
     weights, checkpoints and metrics.jsonl records are deleted, the trainer loads the checkpoint, inference is given
-    that step's weights, and training goes on to max_steps. With no committed checkpoint the run starts over at
+    that step's weights (verified, and evaluated first with online evaluation on), and training goes on to
+    max_steps. With no committed checkpoint the run starts over at
     step 0 (saying so). Use the config of the original run (same seed, batch and environment)."""
 
     resume_step: int | None = Field(None, ge=1)

@@ -22,8 +22,10 @@ COMMITTED = "COMMITTED"
 TRAINER_PART = "trainer"
 ORCHESTRATOR_PART = "orchestrator"
 _STEP_RE = re.compile(r"^step_(\d+)$")
-STEP_LOGS = ("metrics.jsonl", "weight_checks.jsonl")
-"""JSON-lines files with one record per step (key `step`): records after the resumed step are dropped."""
+STEP_LOGS = {"metrics.jsonl": 0, "weight_checks.jsonl": -1, "eval/online.jsonl": -1}
+"""JSON-lines files with one record per step or policy version (key `step`) -> offset: at resume from step K the
+records of steps <= K + offset are kept. A resumed orchestrator loads (and verifies) the policy of step K again, and
+its online evaluation starts with it, so their old records of K go too."""
 
 
 def is_checkpoint_step(step: int, interval: int | None, max_steps: int) -> bool:
@@ -128,7 +130,7 @@ def remove_tree(path: Path) -> None:
 def prepare_resume(output_dir: Path, step: int) -> list[str]:
     """Make the run directory look as it did right after step `step` was committed (0: before any step): delete
     rollouts, weights and checkpoints of later steps (and uncommitted checkpoints), drop later records from the
-    per-step logs. Run while no process of the run is alive. Returns a description of what was removed."""
+    per-step logs (STEP_LOGS). Run while no process of the run is alive. Returns a description of what was removed."""
     out = Path(output_dir)
     removed: list[str] = []
     for plane in ("rollouts", "weights", "checkpoints"):
@@ -143,8 +145,8 @@ def prepare_resume(output_dir: Path, step: int) -> list[str]:
                 if path.is_dir() and path.name.startswith("."):
                     shutil.rmtree(path)
                     removed.append(f"{plane}/{path.name}")
-    for name in STEP_LOGS:
-        dropped = truncate_step_log(out / name, step)
+    for name, offset in STEP_LOGS.items():
+        dropped = truncate_step_log(out / name, step + offset)
         if dropped:
             removed.append(f"{dropped} record(s) of {name}")
     return removed
