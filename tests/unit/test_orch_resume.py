@@ -9,6 +9,7 @@ import pytest
 from starlette.requests import Request
 
 from slipstream.orchestrator.loop import run_orchestrator
+from slipstream.orchestrator.rollouts import request_seed
 from slipstream.orchestrator.sampler import TaskCursor
 from slipstream.orchestrator.state import OrchestratorState, load_state, save_state
 from slipstream.transport.checkpoints import (
@@ -22,6 +23,7 @@ from slipstream.transport.checkpoints import (
 from slipstream.transport.rollouts import batch_path, read_batch
 from slipstream.transport.weights import weights_dir
 from tests.unit.test_orch_loop import FakeVLLM, ServerThread, make_config, publish_weights
+from tests.unit.test_orch_multiturn import FakeChatModel, TalkEnv, run_env, talk_script
 
 
 class SeedRecordingVLLM(FakeVLLM):
@@ -135,3 +137,14 @@ def test_task_cursor_generates_unfinished_positions_again_first():
     assert cursor.snapshot(unfinished=[12, 11]) == (13, [11, 12])
     cursor = TaskCursor(5, [3])
     assert cursor.snapshot(unfinished=[4]) == (5, [3, 4])  # a requeued position not yet taken stays requeued
+
+
+def test_multi_turn_requests_are_seeded_per_task_position_sample_and_turn(tmp_path, monkeypatch):
+    server = FakeChatModel(talk_script)
+    run_env(tmp_path, monkeypatch, TalkEnv(), server, seed_requests=True, spare_batches=0)
+    # 2 steps x 2 groups (task positions 0..3) x 2 rollouts x 3 turns, sample i turn t seeded base + i + 2 t
+    want = [request_seed(0, p) + i + 2 * t for p in range(4) for i in range(2) for t in range(3)]
+    assert sorted(b["seed"] for b in server.bodies) == sorted(want) and len(set(want)) == len(want)
+    unseeded = FakeChatModel(talk_script)
+    run_env(tmp_path / "unseeded", monkeypatch, TalkEnv(), unseeded)
+    assert not any("seed" in b for b in unseeded.bodies)
