@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slipstream.config.shared import ModelConfig
+from slipstream.config.shared import CheckpointConfig, ModelConfig
 from slipstream.config.trainer import OptimConfig, TrainerConfig
 from slipstream.monitor.metrics import read_metrics
 from slipstream.trainer.ckpt import committed_steps
@@ -49,7 +49,7 @@ def test_two_gpus_bf16_train_publish_checkpoint_resume(tiny_model_factory, tmp_p
         write_step_batches(tmp_path / name, 4, world_size=2)
     write_step_batches(tmp_path / "one_gpu", 1, world_size=2, as_single_rank=True)
     _run(tmp_path, "straight", model_dir, 2, max_steps=4)
-    _run(tmp_path, "resumed", model_dir, 2, max_steps=2, checkpoint_interval=2)
+    _run(tmp_path, "resumed", model_dir, 2, max_steps=2, checkpoint=CheckpointConfig(interval=2))
     _run(tmp_path, "resumed", model_dir, 2, max_steps=4, resume_step="latest")
     _run(tmp_path, "one_gpu", model_dir, 1, max_steps=1)
 

@@ -6,7 +6,7 @@ import shutil
 import torch
 from safetensors.torch import load_file
 
-from slipstream.config.shared import ModelConfig
+from slipstream.config.shared import CheckpointConfig, ModelConfig
 from slipstream.config.trainer import OptimConfig, TrainerConfig
 from slipstream.models.registry import export_hf_state_dict
 from slipstream.monitor.metrics import read_metrics
@@ -48,7 +48,7 @@ def test_resume_is_bit_exact_and_reshards_to_one_rank(tiny_model_factory, tmp_pa
         write_step_batches(out, 4, world_size=2)
     configs = [
         _config(model_dir, straight, 4),
-        _config(model_dir, resumed, 2, checkpoint_interval=2),
+        _config(model_dir, resumed, 2, checkpoint=CheckpointConfig(interval=2)),
         _config(model_dir, resumed, 4, resume_step="latest"),
     ]
     run_ranks(2, run_trainers, configs)

@@ -7,7 +7,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from slipstream.config.shared import ModelConfig
+from slipstream.config.shared import CheckpointConfig, ModelConfig
 from slipstream.config.trainer import OptimConfig, TrainerConfig
 from slipstream.monitor.metrics import read_metrics
 from slipstream.trainer.ckpt import committed_steps
@@ -28,7 +28,7 @@ def test_torchrun_two_ranks_train_publish_and_checkpoint(tiny_model_factory, tmp
         device="cpu",
         num_threads=1,
         batch_timeout_s=20.0,
-        checkpoint_interval=1,
+        checkpoint=CheckpointConfig(interval=1),
     )
     config.write_toml(tmp_path / "trainer.toml")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]

@@ -7,7 +7,7 @@ from slipstream.orchestrator.streaming import StreamedChat
 
 
 def group(index: int, version: int) -> Group:
-    return Group(index=index, task=Task(id=f"t{index}", prompt=[]), request_version=version)
+    return Group(index=index, task=Task(id=f"t{index}", prompt=[]), request_version=version, task_index=index)
 
 
 def rollouts(g: Group, *token_versions: list[int]) -> list[Rollout]:
@@ -40,7 +40,7 @@ def test_stale_groups_are_cancelled_in_flight_or_dropped_from_the_buffer_and_cou
     assert (ledger.num_batches, ledger.num_dispatched, ledger.num_dropped, ledger.num_cancelled) == (3, 6, 2, 1)
 
 
-def test_take_waits_for_a_full_batch_first_finished_first():
+def test_take_waits_for_a_full_batch_first_finished_first_in_dispatch_order():
     ledger = GroupLedger(groups_per_batch=2, max_off_policy_steps=8)
     g = [group(i, 0) for i in range(3)]
     for x in g:
@@ -48,7 +48,7 @@ def test_take_waits_for_a_full_batch_first_finished_first():
     ledger.finish(g[2], rollouts(g[2], [0]))
     assert ledger.take_batch() is None
     ledger.finish(g[0], rollouts(g[0], [0]))
-    assert ledger.take_batch() == [g[2], g[0]] and ledger.num_batches == 1
+    assert ledger.take_batch() == [g[0], g[2]] and ledger.num_batches == 1  # g[1] is still in flight
     extra = group(3, 0)
     ledger.start(extra)
     ledger.finish(extra, rollouts(extra, [0]))

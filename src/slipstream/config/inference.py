@@ -48,6 +48,11 @@ class InferenceConfig(BaseConfig):
     `--enable-auto-tool-choice --tool-call-parser <name>`, so assistant replies carry OpenAI `tool_calls`.
     None: off; vLLM then refuses requests that offer tools, so tool environments need a parser."""
 
+    chunked_prefill: bool | None = None
+    """Chunked prefill (`--enable-chunked-prefill` / `--no-enable-chunked-prefill`); None: vLLM's default (on).
+    vLLM's CPU build crashes on seeded requests with it on, so `slipstream rl` sets false when
+    orchestrator.seed_requests is on and this is left unset."""
+
     extra_args: list[str] = []
     """Extra command-line arguments appended to the vLLM server command, e.g. `["--max-num-batched-tokens", "4096"]`."""
 

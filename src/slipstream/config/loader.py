@@ -34,7 +34,7 @@ def parse_cli(argv: list[str]) -> tuple[list[Path], dict[str, Any]]:
             raise ConfigError(f"unexpected argument {arg!r}; options look like --trainer.optim.lr 1e-5")
         key, eq, value = arg[2:].partition("=")
         if not eq:
-            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--") and argv[i + 1] not in ("-c", "-h"):
                 value, i = argv[i + 1], i + 1
             else:
                 value = "true"  # a bare flag

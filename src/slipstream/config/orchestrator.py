@@ -6,7 +6,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from slipstream.config.base import BaseConfig
-from slipstream.config.shared import ModelConfig
+from slipstream.config.shared import CheckpointConfig, ModelConfig
 
 
 class SamplingConfig(BaseConfig):
@@ -143,7 +143,7 @@ class OnlineEvalConfig(BaseConfig):
     step, not at the evaluated version's). Evaluations that end after the last batch, such as the final one, are
     only in online.jsonl. An evaluation running when the last batch is written finishes before the final policy is
     loaded and evaluated.
-    Requests are unseeded: a CPU vLLM build with chunked prefill (the training server's default) crashes on
+    Requests are unseeded (whatever `seed_requests` says): a CPU vLLM build with chunked prefill (the training server's default) crashes on
     seeded requests (see slipstream.eval.server); pass@k and the mean are then estimates with sampling noise.
     """
 
@@ -193,7 +193,25 @@ class OrchestratorConfig(BaseConfig):
     """Number of training steps (one batch each)."""
 
     seed: int = 0
-    """Seed of task sampling."""
+    """Seed of task sampling (and of rollout requests with `seed_requests`)."""
+
+    seed_requests: bool = False
+    """Seed every rollout request from (seed, the task's position in the task stream, sample, turn), so the samples
+    of a run are reproducible: with max_async_level = 0 a run (and a resumed run) trains on the same batches given
+    the seed. Single-turn groups send one request seeded s (vLLM draws sample i with s + i); multi-turn rollouts
+    seed turn t of sample i with s + i + t * group_size. The CPU build of vLLM crashes on seeded requests with chunked
+    prefill on: `slipstream rl` turns it off (inference.chunked_prefill) unless set explicitly."""
+
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Checkpoint steps: at each, the orchestrator writes its state (data position, counters) into
+    `checkpoints/step_N/orchestrator/` before the step's batch (retention is the trainer's). Under `slipstream rl`
+    set once at the top level."""
+
+    resume_step: int | Literal["latest"] | None = None
+    """Continue from the orchestrator state of this committed whole-run checkpoint (an int, or "latest"; None: start
+    from scratch): serve that step's weights, then generate batch resume_step + 1 on. Groups that were in flight or
+    buffered at the checkpoint are not restored; their tasks are generated again first. The run directory must hold
+    nothing of later steps (`slipstream rl --resume` prepares it)."""
 
     inference_url: str = "http://127.0.0.1:8000"
     """Base URL of the vLLM server."""

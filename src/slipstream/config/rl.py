@@ -8,7 +8,7 @@ from pydantic import BaseModel, Field, model_validator
 from slipstream.config.base import BaseConfig
 from slipstream.config.inference import InferenceConfig
 from slipstream.config.orchestrator import OrchestratorConfig
-from slipstream.config.shared import ModelConfig
+from slipstream.config.shared import CheckpointConfig, ModelConfig
 from slipstream.config.trainer import TrainerConfig
 
 # shared top-level key -> sections that receive it
@@ -17,11 +17,15 @@ _SHARED = {
     "output_dir": ("orchestrator", "trainer"),
     "max_steps": ("orchestrator", "trainer"),
     "seed": ("inference", "orchestrator", "trainer"),
+    "checkpoint": ("orchestrator", "trainer"),
 }
 
 # options that `slipstream rl --help` leaves out: set at the top level instead
 HELP_SKIP = tuple(f"--{section}.{key}" for key, sections in _SHARED.items() for section in sections) + (
     "--orchestrator.num_trainer_ranks",
+    "--orchestrator.resume_step",
+    "--trainer.resume_step",
+    "--trainer.whole_run_checkpoints",
 )
 
 
@@ -54,13 +58,26 @@ class RLConfig(BaseConfig):
     """Model to train and serve."""
 
     output_dir: Path = Path("outputs/run")
-    """Run directory: config/, logs/, rollouts/, weights/, metrics.jsonl."""
+    """Run directory: config/, logs/, rollouts/, weights/, checkpoints/, metrics.jsonl."""
 
     max_steps: int = Field(ge=1)
     """Number of training steps."""
 
     seed: int = 0
     """Seed shared by all processes."""
+
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Whole-run checkpoints (trainer and orchestrator state of a step, committed together) and their retention."""
+
+    resume: bool = False
+    """`--resume`: continue the run in output_dir from its newest committed checkpoint: later steps' rollouts,
+    weights, checkpoints and metrics.jsonl records are deleted, the trainer loads the checkpoint, inference is given
+    that step's weights (verified, and evaluated first with online evaluation on), and training goes on to
+    max_steps. With no committed checkpoint the run starts over at
+    step 0 (saying so). Use the config of the original run (same seed, batch and environment)."""
+
+    resume_step: int | None = Field(None, ge=1)
+    """`--resume-step N`: like `resume`, from the committed checkpoint of step N (later ones are deleted)."""
 
     inference: InferenceConfig
     orchestrator: OrchestratorConfig
@@ -96,13 +113,37 @@ class RLConfig(BaseConfig):
             host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
             orch["inference_url"] = f"http://{host}:{inf.get('port', 8000)}"
         launch = _table(data.get("launch")) or {}
-        cp = (_table((_table(data.get("trainer")) or {}).get("parallel")) or {}).get("cp", 1)
+        trainer = _table(data.get("trainer"))
+        cp = (_table((trainer or {}).get("parallel")) or {}).get("cp", 1)
         # The cp ranks of a group share one batch: the orchestrator writes one per group.
         procs = launch.get("num_trainer_procs", 1)
         if isinstance(procs, int) and isinstance(cp, int) and cp >= 1:
             orch.setdefault("num_trainer_ranks", max(procs // cp, 1))
+        resume = data.get("resume_step") or ("latest" if data.get("resume") is True else None)
+        for section, sub in (("orchestrator", orch), ("trainer", trainer)):
+            if sub is None:
+                continue  # not a table: field validation reports it
+            if section == "trainer":
+                sub.setdefault("whole_run_checkpoints", True)
+            if sub.get("resume_step", resume) != resume:
+                raise ValueError(f"set {section}.resume_step with --resume or --resume-step at the top level instead")
+            if resume is not None:
+                sub["resume_step"] = resume
+        if orch.get("seed_requests") and "chunked_prefill" not in inf:
+            data["inference"] = {**inf, "chunked_prefill": False}  # vLLM CPU dies on seeded chunked prefill
         data["orchestrator"] = orch
+        if trainer is not None:
+            data["trainer"] = trainer
         return data
+
+    @model_validator(mode="after")
+    def _check_whole_run(self) -> "RLConfig":
+        if not self.trainer.whole_run_checkpoints:
+            raise ValueError(
+                "trainer.whole_run_checkpoints must be true under `slipstream rl` (trainer and orchestrator state are "
+                "checkpointed together); leave it unset"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_ranks(self) -> "RLConfig":
@@ -129,7 +170,7 @@ def _table(value: Any) -> dict[str, Any] | None:
 
 
 def _norm(value: Any) -> Any:
-    if isinstance(value, ModelConfig):
+    if isinstance(value, BaseConfig):
         return value.model_dump()
     if isinstance(value, Path):
         return str(value)

@@ -6,7 +6,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from slipstream.config.base import BaseConfig
-from slipstream.config.shared import ModelConfig
+from slipstream.config.shared import CheckpointConfig, ModelConfig
 
 
 class ParallelConfig(BaseConfig):
@@ -154,14 +154,20 @@ class TrainerConfig(BaseConfig):
     probe: ProbeConfig = ProbeConfig()
     parallel: ParallelConfig = ParallelConfig()
 
-    checkpoint_interval: int | None = Field(None, ge=1)
-    """Write a trainer checkpoint (model, optimizer, progress, RNG; torch.distributed.checkpoint) to
-    `output_dir/checkpoints/step_N/trainer/` every this many steps and at the last step; None: never."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """When to write checkpoints (model, optimizer, progress, RNG; torch.distributed.checkpoint) into
+    `output_dir/checkpoints/step_N/trainer/`, and which to keep. Under `slipstream rl` set once at the top level."""
+
+    whole_run_checkpoints: bool = False
+    """Commit whole-run checkpoints: after writing its part of step N, wait (up to 60 s; it is written before the
+    step's batch) for the orchestrator's part and write `checkpoints/step_N/COMMITTED`; resume and retention then
+    count only such steps. `slipstream rl` sets it. False: trainer-only checkpoints (`trainer/COMMITTED` suffices),
+    for a trainer fed batches by something else."""
 
     resume_step: int | Literal["latest"] | None = None
     """Resume from the checkpoint of this step before training: an int (that checkpoint must exist), "latest"
     (the newest committed one; starts from scratch, saying so, when there is none) or None (start from scratch).
-    A checkpoint loads at any number of ranks."""
+    A checkpoint loads at any number of ranks. Under `slipstream rl` use --resume / --resume-step instead."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Training device; auto picks CUDA when available."""

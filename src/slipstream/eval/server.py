@@ -31,9 +31,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def build_eval_server_argv(config: InferenceConfig, model_path: Path) -> list[str]:
-    """Slipstream's vLLM command line plus SEEDED_SAMPLING_ARGS (unless `extra_args` set chunked prefill)."""
+    """Slipstream's vLLM command line plus SEEDED_SAMPLING_ARGS (unless `chunked_prefill` or `extra_args` set
+    chunked prefill)."""
     argv = build_vllm_argv(config, model_path)
-    if any("chunked-prefill" in arg for arg in config.extra_args):
+    if config.chunked_prefill is not None or any("chunked-prefill" in arg for arg in config.extra_args):
         return argv
     return argv + SEEDED_SAMPLING_ARGS
 

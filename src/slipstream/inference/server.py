@@ -34,6 +34,8 @@ def build_vllm_argv(config: InferenceConfig, model_path: Path) -> list[str]:
     ]  # fmt: skip
     if config.enforce_eager:
         argv.append("--enforce-eager")
+    if config.chunked_prefill is not None:
+        argv.append("--enable-chunked-prefill" if config.chunked_prefill else "--no-enable-chunked-prefill")
     if config.tool_call_parser is not None:
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
     if _has_cuda():

@@ -15,6 +15,8 @@ from slipstream.inference.admin_token import ensure_admin_token
 from slipstream.launch.plan import build_plan, write_configs
 from slipstream.launch.restarts import InferenceRestarts
 from slipstream.launch.supervisor import ChildFailed, Supervisor, tail
+from slipstream.transport.checkpoints import prepare_resume, resolve_run_step
+from slipstream.transport.weights import is_ready, weights_dir
 
 
 class _Stop(Exception):
@@ -28,6 +30,11 @@ def _raise_stop(signum: int, frame: object) -> None:
 def run_rl(config: RLConfig) -> int:
     """Run the whole RL job; return the exit code (0 = all steps done)."""
     config.output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        config = prepare_resume_run(config)
+    except (FileNotFoundError, ValueError) as e:
+        _say(f"error: {e}", err=True)
+        return 2
     write_configs(config)
     write_admin_token(config.output_dir)
     specs = {spec.name: spec for spec in build_plan(config)}
@@ -60,6 +67,34 @@ def run_rl(config: RLConfig) -> int:
         sup.stop_all()
         for sig, handler in old.items():
             signal.signal(sig, handler)
+
+
+def prepare_resume_run(config: RLConfig) -> RLConfig:
+    """For --resume / --resume-step: pick the committed step, delete what the run wrote after it, and return the
+    config with that step (or none: start over) given to trainer and orchestrator. Other configs are returned as is."""
+    if config.trainer.resume_step is None:
+        return config
+    field = "resume_step" if config.resume_step is not None else "resume"
+    step = resolve_run_step(config.output_dir, config.trainer.resume_step, field)
+    if step is not None and not is_ready(config.output_dir, step):
+        raise FileNotFoundError(
+            f"{weights_dir(config.output_dir, step)} is missing or incomplete, so inference cannot be given the policy "
+            f"of step {step}; resume from another committed step (--resume-step)"
+        )
+    removed = prepare_resume(config.output_dir, step or 0)
+    dropped = f"; removed {', '.join(removed)}" if removed else ""
+    if step is None:
+        _say(f"--resume: no committed checkpoint in {config.output_dir / 'checkpoints'}; starting at step 0{dropped}")
+    else:
+        _say(f"resuming {config.output_dir} after step {step}{dropped}")
+    update = {"resume": step is not None, "resume_step": step}
+    return config.model_copy(
+        update={
+            **update,
+            "trainer": config.trainer.model_copy(update={"resume_step": step}),
+            "orchestrator": config.orchestrator.model_copy(update={"resume_step": step}),
+        }
+    )
 
 
 def write_admin_token(output_dir: Path) -> None:
@@ -97,7 +132,8 @@ def watch_until_done(sup: Supervisor, config: RLConfig) -> None:
     from slipstream.monitor.metrics import format_progress
 
     restarts = InferenceRestarts(config.launch, f"{config.inference.url}/health", _say)
-    metrics_path, offset = config.output_dir / "metrics.jsonl", 0
+    metrics_path = config.output_dir / "metrics.jsonl"
+    offset = metrics_path.stat().st_size if metrics_path.exists() else 0  # a resumed run's earlier steps are not news
 
     def step(ignore: tuple[str, ...] = ()) -> list[str]:
         nonlocal offset

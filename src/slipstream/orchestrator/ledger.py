@@ -31,10 +31,12 @@ class Group:
     rollouts)."""
 
     index: int
-    """Dispatch order (0-based); also the task's position in the sampler's stream."""
+    """Dispatch order (0-based)."""
     task: Task
     request_version: int
     """Policy version served when the request was sent (its cache_salt's version)."""
+    task_index: int
+    """The task's position in the sampler's stream (equal to `index` unless a resumed run generates groups again)."""
     stream: TokenProgress | None = None
     """The streamed tokens so far (version_tracking = "stream"; for multi-turn environments in any mode)."""
     rollouts: list[Rollout] | None = None
@@ -121,13 +123,14 @@ class GroupLedger:
         return stale
 
     def take_batch(self) -> list[Group] | None:
-        """The next batch's groups (first finished first), or None while fewer than a batch are buffered.
+        """The next batch's groups (the first finished), in dispatch order, or None while fewer than a batch are
+        buffered. Dispatch order (not finish order) makes a batch's layout independent of timing.
 
         The buffer holds only groups fresh enough for it: finish() checks on arrival, sweep() when a batch moves on.
         """
         if len(self.finished) < self.groups_per_batch:
             return None
-        groups = [self.finished.popleft() for _ in range(self.groups_per_batch)]
+        groups = sorted((self.finished.popleft() for _ in range(self.groups_per_batch)), key=lambda g: g.index)
         self.num_batches += 1
         return groups
 

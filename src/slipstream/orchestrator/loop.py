@@ -2,10 +2,12 @@
 
 Rollouts run continuously and weights are loaded mid-rollout (pipeline.py, weights.py); this loop only waits when
 the next batch is not ready: too few finished groups, or the served policy too old for it (max_async_level).
+At checkpoint steps it saves its state before writing the batch (state.py); a resumed run restores it first.
 """
 
 import asyncio
 from itertools import groupby
+from pathlib import Path
 
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.envs.registry import build_env
@@ -16,7 +18,10 @@ from slipstream.orchestrator.metrics import progress_line, rollout_metrics
 from slipstream.orchestrator.pipeline import RolloutPipeline
 from slipstream.orchestrator.rollouts import Rollout
 from slipstream.orchestrator.sampler import TaskSampler
+from slipstream.orchestrator.state import load_state, save_state
 from slipstream.orchestrator.weights import WeightRelay
+from slipstream.transport.checkpoints import is_checkpoint_step, resolve_run_step, step_dirs
+from slipstream.transport.weights import is_ready, weights_dir
 
 
 def run_orchestrator(config: OrchestratorConfig) -> None:
@@ -32,10 +37,12 @@ async def orchestrate(config: OrchestratorConfig) -> dict[str, float]:
         sampler = TaskSampler(env.tasks("train"), config.batch_size // config.group_size, config.seed)
         relay = WeightRelay(client, config)
         pipeline = RolloutPipeline(client, env, sampler, relay, config)
+        start_step = await maybe_resume(pipeline, relay, config)
         async with pipeline.running():
-            for step in range(1, config.max_steps + 1):
+            for step in range(start_step + 1, config.max_steps + 1):
                 rollouts, metrics = await pipeline.next_batch(step)
                 metrics.update(assign_advantages(step, rollouts, config))
+                maybe_checkpoint(step, pipeline, config)
                 write_step(step, rollouts, config, metrics)
                 print(progress_line(step, config.max_steps, metrics), flush=True)
         summary = {**pipeline.counters(), "pipeline/abandoned_groups": float(pipeline.ledger.num_abandoned)}
@@ -51,6 +58,44 @@ async def orchestrate(config: OrchestratorConfig) -> dict[str, float]:
         if pipeline.evaluator is not None:
             await pipeline.evaluator.final(config.max_steps)
         return summary
+
+
+async def maybe_resume(pipeline: RolloutPipeline, relay: WeightRelay, config: OrchestratorConfig) -> int:
+    """Restore the state of the checkpoint `config.resume_step` selects and serve that step's weights before any
+    rollout starts (a fresh inference server serves the initial ones); return the last step already trained."""
+    step = resolve_run_step(config.output_dir, config.resume_step, "orchestrator.resume_step")
+    if step is None:
+        if config.resume_step is not None:
+            print(f"[orchestrator] no committed checkpoint in {config.output_dir}/checkpoints; starting at step 0")
+        return 0
+    later = [s for s in step_dirs(Path(config.output_dir) / "rollouts") if s > step]
+    if later:
+        raise RuntimeError(
+            f"{config.output_dir}/rollouts holds batches of steps {later}, after the step resumed from ({step}); the "
+            "trainer could train them instead of the regenerated ones. Resume with `slipstream rl --resume`, which "
+            "removes them first"
+        )
+    if not is_ready(config.output_dir, step):
+        raise FileNotFoundError(
+            f"{weights_dir(config.output_dir, step)} (with its READY marker) is missing, so inference cannot serve the "
+            f"policy of step {step}; resume from another committed step"
+        )
+    state = load_state(config.output_dir, step, config.seed, config.env.name, pipeline.sampler.tasks_per_step)
+    pipeline.restore(state)
+    await relay.update(step)
+    print(
+        f"[orchestrator] resumed after step {step}: serving its weights, next task position {state.next_task_index}, "
+        f"{len(state.requeued_task_indices)} unfinished group(s) to generate again",
+        flush=True,
+    )
+    return step
+
+
+def maybe_checkpoint(step: int, pipeline: RolloutPipeline, config: OrchestratorConfig) -> None:
+    """At checkpoint steps, commit the orchestrator's part of the checkpoint; before the step's batch is written, so
+    the part exists whenever the trainer commits the step."""
+    if is_checkpoint_step(step, config.checkpoint.interval, config.max_steps):
+        save_state(config.output_dir, pipeline.checkpoint_state(step))
 
 
 def assign_advantages(step: int, rollouts: list[Rollout], config: OrchestratorConfig) -> dict[str, float]:

@@ -62,12 +62,18 @@ class TurnRequester:
     ready: Callable[[], Awaitable[int]]
     version_now: Callable[[], int]
 
-    def model_fn(self, task: Task, progress: TurnProgress) -> ModelFn:
-        """The model function of one rollout of `task`; its turns report to the group's `progress`."""
+    def model_fn(self, task: Task, progress: TurnProgress, turn_seed: Callable[[int], int] | None = None) -> ModelFn:
+        """The model function of one rollout of `task`; its turns report to the group's `progress`. Turn t (from 0)
+        is seeded with `turn_seed(t)` (None: unseeded)."""
+        num_turns = 0
 
         async def model(messages: list[Message], tools: list[ToolSchema]) -> ModelTurn:
+            nonlocal num_turns
             version = await self.ready()
             params = dict(self.sampling)
+            if turn_seed is not None:
+                params["seed"] = turn_seed(num_turns)
+            num_turns += 1
             if tools:
                 params |= {"tools": tools, "tool_choice": "auto"}
             try:

@@ -21,6 +21,7 @@ recovers; a group whose request failed is generated again from scratch once the 
 """
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
@@ -28,13 +29,15 @@ from typing import Any, Literal
 
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.envs.base import AnyEnvironment, is_multi_turn, score
+from slipstream.envs.rollout import ModelFn
 from slipstream.orchestrator.client import InferenceClient, InferenceError, InferenceUnavailable
 from slipstream.orchestrator.concurrency import InFlightLimit, parse_server_load
 from slipstream.orchestrator.ledger import Group, GroupLedger, Signal
 from slipstream.orchestrator.multiturn import RolloutFailures, TurnProgress, TurnRequester, play_group
 from slipstream.orchestrator.online_eval import OnlineEvaluator, SharedLimiter
-from slipstream.orchestrator.rollouts import Rollout, cache_salt, parse_chat_response, sampling_params
-from slipstream.orchestrator.sampler import TaskSampler
+from slipstream.orchestrator.rollouts import Rollout, cache_salt, parse_chat_response, request_seed, sampling_params
+from slipstream.orchestrator.sampler import TaskCursor, TaskSampler
+from slipstream.orchestrator.state import OrchestratorState
 from slipstream.orchestrator.streaming import StreamedChat
 from slipstream.orchestrator.weights import WeightRelay
 from slipstream.transport.weights import weights_dir
@@ -55,6 +58,7 @@ class RolloutPipeline:
         self.group_size = config.group_size
         self.num_spare = config.spare_batches * config.batch_size // config.group_size if config.max_async_level else 0
         self.ledger = GroupLedger(config.batch_size // config.group_size, config.max_off_policy_steps)
+        self.cursor = TaskCursor()
         self.limit = InFlightLimit(config.concurrency)
         self.signal = Signal()
         relay.on_change = self.signal.notify
@@ -198,8 +202,13 @@ class RolloutPipeline:
             self._dispatch()
 
     def _dispatch(self) -> None:
-        index = self.ledger.num_dispatched
-        group = Group(index=index, task=self.sampler.task_at(index), request_version=self.relay.served_version)
+        position = self.cursor.take()
+        group = Group(
+            index=self.ledger.num_dispatched,
+            task=self.sampler.task_at(position),
+            request_version=self.relay.served_version,
+            task_index=position,
+        )
         self._fresh_progress(group)
         self.ledger.start(group)
         group.handle = asyncio.create_task(self._run_group(group))
@@ -271,13 +280,15 @@ class RolloutPipeline:
         """The group's rollouts through the environment; None when fewer than two survived."""
         progress = group.stream
         assert isinstance(progress, TurnProgress)  # set by _dispatch
-        outcomes = await play_group(
-            self.env,
-            group.task,
-            self.group_size,
-            lambda: self.turns.model_fn(group.task, progress),
-            self.config.rollout_timeout_s,
-        )
+        samples = itertools.count()  # play_group builds the rollouts' model functions in sample order
+        base = self._request_seed(group)
+
+        def model_fn() -> ModelFn:
+            sample = next(samples)
+            turn_seed = None if base is None else (lambda turn: base + sample + turn * self.group_size)
+            return self.turns.model_fn(group.task, progress, turn_seed)
+
+        outcomes = await play_group(self.env, group.task, self.group_size, model_fn, self.config.rollout_timeout_s)
         return self.failures.survivors(group.task, outcomes, group.index, group.request_version)
 
     async def _turn_version(self) -> int:
@@ -289,6 +300,8 @@ class RolloutPipeline:
         """Send the group's request and parse its completions, each token with its policy version."""
         task, n, salt = group.task, self.group_size, cache_salt(group.request_version)
         sampling = sampling_params(self.config.sampling)
+        if (seed := self._request_seed(group)) is not None:
+            sampling["seed"] = seed  # vLLM seeds sample i with seed + i
         if group.stream is not None:
             async for chunk in self.client.stream_chat(task.prompt, sampling, n, salt):
                 group.stream.add(chunk)
@@ -302,6 +315,46 @@ class RolloutPipeline:
                 "not cancel it; was inference paused with mode=abort, or shut down?"
             )
         return rollouts
+
+    def _request_seed(self, group: Group) -> int | None:
+        """Base seed of the group's requests (None: unseeded), from the run's seed and the task's stream position."""
+        return request_seed(self.config.seed, group.task_index) if self.config.seed_requests else None
+
+    def checkpoint_state(self, step: int) -> OrchestratorState:
+        """The state to checkpoint right after batch `step` was taken."""
+        ledger = self.ledger
+        unfinished = [g.task_index for g in (*ledger.in_flight.values(), *ledger.finished)]
+        next_index, requeued = self.cursor.snapshot(unfinished)
+        return OrchestratorState(
+            step=step,
+            seed=self.config.seed,
+            env_name=self.config.env.name,
+            tasks_per_step=self.sampler.tasks_per_step,
+            next_task_index=next_index,
+            requeued_task_indices=requeued,
+            num_dispatched=ledger.num_dispatched,
+            num_cancelled=ledger.num_cancelled,
+            num_dropped=ledger.num_dropped,
+            num_failed=ledger.num_failed,
+            num_abandoned=ledger.num_abandoned + len(unfinished),
+            failed_rollouts_by_stage=dict(self.failures.by_stage),
+        )
+
+    def restore(self, state: OrchestratorState) -> None:
+        """Continue from a checkpointed state (before `running()`): the next batch is state.step + 1, groups that
+        were unfinished then are generated again first, counters go on from their values."""
+        if self.ledger.num_dispatched:
+            raise RuntimeError("restore() must come before any group is dispatched")
+        ledger = self.ledger
+        ledger.num_batches, ledger.num_dispatched = state.step, state.num_dispatched
+        ledger.num_cancelled, ledger.num_dropped, ledger.num_failed = (
+            state.num_cancelled,
+            state.num_dropped,
+            state.num_failed,
+        )
+        ledger.num_abandoned = state.num_abandoned
+        self.failures.by_stage = dict(state.failed_rollouts_by_stage)
+        self.cursor = TaskCursor(state.next_task_index, state.requeued_task_indices)
 
     async def _poll_server_load(self) -> None:
         """Adaptive concurrency: read /metrics every poll interval and move the limit (skipped during updates)."""

@@ -6,6 +6,7 @@ Completion text is used only for rewards; training tokens are never re-tokenized
 """
 
 import asyncio
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,12 @@ class WeightedSemaphore:
 def sampling_params(sampling: SamplingConfig) -> dict[str, Any]:
     """Chat-completion sampling fields (vLLM prefers `max_completion_tokens` over the deprecated `max_tokens`)."""
     return {"temperature": sampling.temperature, "top_p": sampling.top_p, "max_completion_tokens": sampling.max_tokens}
+
+
+def request_seed(seed: int, task_index: int) -> int:
+    """Base sampling seed of a rollout group's requests: a hash of the run's seed and the task's stream position."""
+    digest = hashlib.blake2b(f"rollout:{seed}:{task_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (1 << 31)  # leaves room for the per-sample and per-turn offsets
 
 
 def cache_salt(policy_version: int) -> str:

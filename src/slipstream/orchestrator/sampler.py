@@ -4,7 +4,8 @@ Tasks form one stream (`task_at(i)`, the i-th task drawn); the i-th task depends
 run continues the same sequence.
 """
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -42,3 +43,23 @@ class TaskSampler:
             raise ValueError(f"steps start at 1, got {step}")
         start = (step - 1) * self.tasks_per_step
         return [self.task_at(index) for index in range(start, start + self.tasks_per_step)]
+
+
+class TaskCursor:
+    """The stream position of the task each new group gets: positions to generate again (groups that were in flight
+    or buffered at the checkpoint a run resumed from) first, in order, then the stream from `next_index` on."""
+
+    def __init__(self, next_index: int = 0, requeued: Iterable[int] = ()) -> None:
+        self.next_index = next_index
+        self.requeued = deque(sorted(requeued))
+
+    def take(self) -> int:
+        if self.requeued:
+            return self.requeued.popleft()
+        self.next_index += 1
+        return self.next_index - 1
+
+    def snapshot(self, unfinished: Iterable[int]) -> tuple[int, list[int]]:
+        """(next_index, positions to generate again) for a checkpoint, given the positions of the groups dispatched
+        but not yet trained (in flight or buffered)."""
+        return self.next_index, sorted({*unfinished, *self.requeued})

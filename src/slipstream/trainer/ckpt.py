@@ -3,6 +3,7 @@
 
 Commit protocol: every rank writes into `step_N/.trainer.tmp`; after a barrier rank 0 writes progress.json and
 the COMMITTED marker there and renames the folder to `step_N/trainer`. Only folders with the marker are loaded.
+Under `slipstream rl` the step is then committed as a whole with the orchestrator's part (transport/checkpoints.py).
 All ranks must see output_dir on one shared filesystem.
 """
 
@@ -22,6 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from slipstream.parallel.dist import RankInfo, barrier
+from slipstream.transport.checkpoints import committed_run_steps
 from slipstream.utils.fs import atomic_write_text, commit_dir
 
 CKPT_FORMAT_VERSION = 1
@@ -52,11 +54,12 @@ def committed_steps(output_dir: Path) -> list[int]:
     return sorted(s for s in steps if (checkpoint_dir(output_dir, s) / COMMITTED).is_file())
 
 
-def resolve_resume_step(output_dir: Path, resume_step: int | str | None) -> int | None:
-    """The step to resume from (None: start from scratch) for `trainer.resume_step`."""
+def resolve_resume_step(output_dir: Path, resume_step: int | str | None, whole_run: bool = False) -> int | None:
+    """The step to resume from (None: start from scratch) for `trainer.resume_step`; with `whole_run`, only steps
+    whose whole-run checkpoint is committed count (`step_N/COMMITTED`, see slipstream.transport.checkpoints)."""
     if resume_step is None:
         return None
-    steps = committed_steps(output_dir)
+    steps = committed_run_steps(output_dir) if whole_run else committed_steps(output_dir)
     if resume_step == "latest":
         if not steps:
             print(f"resume_step = 'latest': no committed checkpoint under {output_dir}/checkpoints; starting at step 0")

@@ -1,15 +1,24 @@
-"""RL trainer loop: wait for this rank's batch of step N, train on it, publish weights of step N, checkpoint, log."""
+"""RL trainer loop: wait for this rank's batch of step N, train on it, publish weights of step N, log, checkpoint."""
 
 import time
+from pathlib import Path
 
 from slipstream.config.trainer import TrainerConfig
 from slipstream.monitor.metrics import MetricsWriter, format_progress, merge_metrics
 from slipstream.parallel.dist import barrier
-from slipstream.trainer.ckpt import save_checkpoint
+from slipstream.trainer.ckpt import committed_steps, save_checkpoint
 from slipstream.trainer.data import validate_batch
 from slipstream.trainer.setup import Trainer, setup_trainer, teardown_trainer
 from slipstream.trainer.step import train_step
 from slipstream.trainer.weights import build_published_model, gather_full_state_dict, publish_weights
+from slipstream.transport.checkpoints import (
+    ORCHESTRATOR_PART,
+    commit_step,
+    committed_run_steps,
+    is_checkpoint_step,
+    is_part_committed,
+    prune_checkpoints,
+)
 from slipstream.transport.rollouts import wait_for_batch
 
 __all__ = ["run_trainer", "setup_trainer"]
@@ -39,20 +48,18 @@ def run_trainer(config: TrainerConfig) -> None:
             metrics["nonfinite/total"] = nonfinite.update(step, bool(metrics["nonfinite/skipped"]))
             publish_step_weights(trainer, config, step)
             t_publish = time.perf_counter()
+            if writer is not None:
+                metrics |= {
+                    "tokens_per_s": metrics["num_tokens"] / max(t_train - t_batch, 1e-9),
+                    "timing/wait_batch_s": t_batch - t_start,
+                    "timing/train_s": t_train - t_batch,
+                    "timing/publish_s": t_publish - t_train,
+                    "timing/step_s": t_publish - t_start,
+                }
+                # Before the checkpoint: a committed step always has its record (resume drops later records).
+                record = writer.write(step, merge_metrics(batch.metrics, metrics))
+                print(format_progress(step, config.max_steps, record), flush=True)
             maybe_checkpoint(trainer, config, step)
-            t_end = time.perf_counter()
-            if writer is None:
-                continue
-            metrics |= {
-                "tokens_per_s": metrics["num_tokens"] / max(t_train - t_batch, 1e-9),
-                "timing/wait_batch_s": t_batch - t_start,
-                "timing/train_s": t_train - t_batch,
-                "timing/publish_s": t_publish - t_train,
-                "timing/checkpoint_s": t_end - t_publish,
-                "timing/step_s": t_end - t_start,
-            }
-            record = writer.write(step, merge_metrics(batch.metrics, metrics))
-            print(format_progress(step, config.max_steps, record), flush=True)
         barrier()
     finally:
         teardown_trainer(trainer)
@@ -103,8 +110,34 @@ def publish_step_weights(trainer: Trainer, config: TrainerConfig, step: int) -> 
 
 
 def maybe_checkpoint(trainer: Trainer, config: TrainerConfig, step: int) -> None:
-    """Checkpoint every `checkpoint_interval` steps and at the last step (when checkpointing is on)."""
-    interval = config.checkpoint_interval
-    if interval is None or (step % interval != 0 and step != config.max_steps):
+    """At checkpoint steps (every `checkpoint.interval` steps and the last step): write and commit the trainer's part,
+    then (rank 0) commit the whole-run checkpoint with the orchestrator's part, and apply retention."""
+    ckpt = config.checkpoint
+    if not is_checkpoint_step(step, ckpt.interval, config.max_steps):
         return
+    start = time.perf_counter()
     save_checkpoint(trainer.policy, trainer.optimizer, config.output_dir, trainer.checkpoint_meta(step), trainer.info)
+    if not trainer.info.is_main:
+        return
+    if config.whole_run_checkpoints:
+        wait_for_part(config.output_dir, step, ORCHESTRATOR_PART, ORCHESTRATOR_PART_TIMEOUT_S)
+        commit_step(config.output_dir, step)
+        committed = committed_run_steps(config.output_dir)
+    else:
+        committed = committed_steps(config.output_dir)
+    pruned = prune_checkpoints(config.output_dir, committed, ckpt.keep_last, ckpt.keep_every)
+    note = f"; deleted checkpoints of steps {pruned}" if pruned else ""
+    print(f"[trainer] checkpoint of step {step} committed in {time.perf_counter() - start:.1f}s{note}", flush=True)
+
+
+ORCHESTRATOR_PART_TIMEOUT_S = 60.0
+"""The orchestrator writes its part before the step's batch, so it is there already; the wait only covers
+filesystems that show other hosts' files late."""
+
+
+def wait_for_part(output_dir: Path, step: int, part: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not is_part_committed(output_dir, step, part):
+        if time.monotonic() > deadline:
+            commit_step(output_dir, step)  # raises, naming the missing part and the fix
+        time.sleep(0.1)

@@ -167,7 +167,7 @@ def build_optimizer(policy: nn.Module, config: TrainerConfig, device: torch.devi
 
 def maybe_resume(trainer: Trainer, config: TrainerConfig) -> None:
     """Load the checkpoint `config.resume_step` selects (if any) and set trainer.start_step."""
-    step = resolve_resume_step(config.output_dir, config.resume_step)
+    step = resolve_resume_step(config.output_dir, config.resume_step, config.whole_run_checkpoints)
     if step is None:
         return
     load_checkpoint(trainer.policy, trainer.optimizer, config.output_dir, trainer.checkpoint_meta(step), trainer.info)
