@@ -7,7 +7,7 @@ import shutil
 import torch
 from safetensors.torch import load_file
 
-from slipstream.config.shared import ModelConfig
+from slipstream.config.shared import CheckpointConfig, ModelConfig
 from slipstream.config.trainer import OptimConfig, ParallelConfig, TrainerConfig
 from slipstream.models.registry import export_hf_state_dict
 from slipstream.trainer.ckpt import committed_steps
@@ -42,7 +42,7 @@ def test_ep_publishes_full_experts_and_checkpoints_reshard(tiny_model_factory, t
     write_step_batches(ep_dir, 3, world_size=2)
     write_step_batches(single, 3, world_size=2, as_single_rank=True)
     configs = [
-        _config(model_dir, ep_dir, 2, ep=2, checkpoint_interval=2),
+        _config(model_dir, ep_dir, 2, ep=2, checkpoint=CheckpointConfig(interval=2)),
         _config(model_dir, ep_dir, 3, ep=2, resume_step="latest"),
     ]
     run_ranks(2, run_trainers, configs)
