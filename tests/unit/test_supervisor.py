@@ -133,3 +133,23 @@ def test_restart_kills_what_is_left_of_the_dead_child_and_starts_it_again(tmp_pa
         assert sup.check() == []
     finally:
         sup.stop_all()
+
+
+def test_first_error_finds_the_root_cause_under_torchrun_noise(tmp_path):
+    from slipstream.launch.supervisor import first_error
+
+    log = tmp_path / "trainer.log"
+    assert first_error(log) is None
+    log.write_text(
+        "step 3/10 | reward 0.2\n"
+        "Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in <module>\n'
+        "safetensors._safetensors_rust.SafetensorError: Error while serializing: I/O error: No space left on device\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+        "OSError: later\n"
+    )
+    assert first_error(log) == (
+        "safetensors._safetensors_rust.SafetensorError: Error while serializing: I/O error: No space left on device"
+    )
+    log.write_text("all fine\nError rate: low\n")
+    assert first_error(log) is None

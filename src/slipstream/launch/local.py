@@ -14,7 +14,7 @@ from slipstream.config.rl import RLConfig
 from slipstream.inference.admin_token import ensure_admin_token
 from slipstream.launch.plan import build_plan, write_configs
 from slipstream.launch.restarts import InferenceRestarts
-from slipstream.launch.supervisor import ChildFailed, Supervisor, tail
+from slipstream.launch.supervisor import ChildFailed, Supervisor, first_error, tail
 from slipstream.transport.checkpoints import prepare_resume, resolve_run_step
 from slipstream.transport.weights import is_ready, weights_dir
 
@@ -55,6 +55,8 @@ def run_rl(config: RLConfig) -> int:
         return 0
     except ChildFailed as e:
         _say(f"error: {e}; last lines of its log:\n{tail(e.log_path)}", err=True)
+        if (cause := first_error(e.log_path)) is not None:
+            _say(f"first error in {e.log_path.name}: {cause}", err=True)
         return 1
     except TimeoutError as e:
         _say(f"error: {e}", err=True)

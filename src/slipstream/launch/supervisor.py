@@ -7,6 +7,7 @@ too. Children also get SIGKILL if the launcher itself dies (PR_SET_PDEATHSIG).
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import time
@@ -134,6 +135,23 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+_ERROR_LINE = re.compile(r"^[\w.]*(?:Error|Exception)(?::\s|:$)")
+"""A Python exception line (`OSError: ...`, `safetensors._safetensors_rust.SafetensorError: ...`)."""
+
+
+def first_error(path: Path) -> str | None:
+    """The first exception line of a log (the root cause, before launcher wrappers such as torchrun repeat it in
+    their own terms), or None."""
+    try:
+        with open(path, errors="replace") as f:
+            for line in f:
+                if _ERROR_LINE.match(line) and "ChildFailedError" not in line:
+                    return line.rstrip()
+    except FileNotFoundError:
+        return None
+    return None
 
 
 def tail(path: Path, num_lines: int = 30) -> str:
