@@ -1,8 +1,11 @@
 """Helpers for end-to-end runs: free ports, run configs, and finding every process a run started."""
 
 import socket
+import subprocess
+import time
 from pathlib import Path
 
+import httpx
 import tomli_w
 
 MARKER_VAR = "SLIPSTREAM_TEST_RUN_ID"
@@ -73,3 +76,17 @@ def tiny_rl_config(model_dir: Path, output_dir: Path, max_steps: int, **sections
 def write_config(path: Path, config: dict) -> Path:
     path.write_text(tomli_w.dumps(config))
     return path
+
+
+def wait_healthy(server: subprocess.Popen, url: str, log_path) -> None:
+    """Poll a server started by the test until /health answers 200 (5 min), failing with its log if it dies."""
+    deadline = time.monotonic() + 300
+    while True:
+        assert server.poll() is None, log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, "server never became healthy"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)

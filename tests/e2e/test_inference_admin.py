@@ -3,13 +3,12 @@
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from slipstream.inference.admin_token import HEADER, TOKEN_ENV
-from tests.e2e.helpers import free_port
+from tests.e2e.helpers import free_port, wait_healthy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -34,16 +33,7 @@ def test_admin_endpoints_need_the_token(tiny_qwen3_dir, tmp_path):
         server = subprocess.Popen(argv, env={**os.environ, TOKEN_ENV: token}, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, (tmp_path / "inference.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "server never became healthy"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        wait_healthy(server, url, tmp_path / "inference.log")
         for path in ("/pause", "/resume", "/collective_rpc", "/reset_prefix_cache"):
             assert httpx.post(f"{url}{path}", timeout=10).status_code == 401, path
             assert httpx.post(f"{url}{path}", headers={HEADER: "wrong"}, timeout=10).status_code == 401, path

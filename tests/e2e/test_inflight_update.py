@@ -8,9 +8,7 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 import torch
 
@@ -21,7 +19,7 @@ from slipstream.orchestrator.rollouts import cache_salt
 from slipstream.orchestrator.streaming import StreamedChat
 from slipstream.orchestrator.weights import WEIGHT_CHECKS_FILE, WeightRelay
 from slipstream.trainer.weights import build_probe_token_ids, publish_weights
-from tests.e2e.helpers import free_port
+from tests.e2e.helpers import free_port, wait_healthy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -37,19 +35,6 @@ def start_server(model_dir, port: int, log_path, token: str) -> subprocess.Popen
     argv += ["--max_model_len", "1024", "--max_num_seqs", "4"]
     with open(log_path, "wb") as log:
         return subprocess.Popen(argv, env={**os.environ, TOKEN_ENV: token}, stdout=log, stderr=subprocess.STDOUT)
-
-
-def wait_healthy(server: subprocess.Popen, url: str, log_path) -> None:
-    deadline = time.monotonic() + 300
-    while True:
-        assert server.poll() is None, log_path.read_text()[-3000:]
-        assert time.monotonic() < deadline, "server never became healthy"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
 
 
 def perturbed_copy(model_dir, output_dir) -> tuple[torch.nn.Module, torch.nn.Module]:
