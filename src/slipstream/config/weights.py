@@ -1,0 +1,43 @@
+"""Config of the weight path from trainer to inference: transport, buckets, rendezvous, and which published weights
+are kept on disk."""
+
+from typing import Literal
+
+from pydantic import Field
+
+from slipstream.config.base import BaseConfig
+
+
+class WeightsConfig(BaseConfig):
+    """How the trainer's weights reach inference after every step (set once at the top level of `slipstream rl`).
+
+    The trainer streams the model layer by layer in Hugging Face names (FSDP-gathered one layer at a time, never the
+    whole model on one device), in dtype-grouped buckets. `filesystem` writes the stream as safetensors shards into
+    `weights/step_N/` (+ READY); `nccl` / `gloo` broadcast it from trainer rank 0 to every inference worker through
+    vLLM's weight-transfer API (Slipstream's engine, registered as the vLLM weight-transfer backend `slipstream`).
+    Every transport ends with the same probe check of the loaded weights."""
+
+    transport: Literal["auto", "filesystem", "nccl", "gloo"] = "auto"
+    """`filesystem`: through files in the run directory (works everywhere, costs disk bandwidth). `nccl`: GPU to GPU
+    broadcast (trainer and inference on CUDA). `gloo`: the same broadcast over TCP between CPU processes (the CPU twin
+    of nccl). `auto`: nccl when the trainer runs on CUDA, else filesystem."""
+
+    bucket_mb: int = Field(512, ge=1)
+    """Size of one transfer bucket in MiB: tensors of one dtype are packed into flat buffers of at most this size
+    (a tensor larger than a bucket travels alone)."""
+
+    master_addr: str = "127.0.0.1"
+    """Address the trainer's rendezvous store listens on (collective transports); inference workers connect to it.
+    Use the trainer node's address when inference runs on other machines."""
+
+    master_port: int = Field(29611, ge=1, le=65535)
+    """TCP port of the trainer's rendezvous store (collective transports)."""
+
+    accept_timeout_s: float = Field(3600.0, gt=0.0)
+    """Collective transports: how long the trainer waits for inference to take an offered version (the orchestrator
+    may hold updates during an online evaluation) before it fails with a message."""
+
+    keep_weights: int = Field(0, ge=0)
+    """Published `weights/step_N/` folders kept beyond those still needed (the served version, versions being loaded
+    or verified, pending evaluations, and checkpoint steps resume needs); the rest are deleted as soon as inference
+    serves a newer version. E.g. 2 also keeps the two newest published steps."""
