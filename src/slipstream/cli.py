@@ -72,7 +72,9 @@ def _run_config_command(command: str, rest: list[str]) -> int:
 
     from slipstream.config.base import ConfigError
     from slipstream.config.loader import describe_fields, load_config
+    from slipstream.launch.watchdog import start_from_env
 
+    start_from_env()  # a child of `slipstream rl` ends itself when its launcher is gone
     config_module, config_name, run_module, run_name = CONFIG_COMMANDS[command]
     config_cls = getattr(importlib.import_module(config_module), config_name)
     if "-h" in rest or "--help" in rest:

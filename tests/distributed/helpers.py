@@ -97,7 +97,6 @@ def train_and_record(config: Any, result_path: Path, num_steps: int) -> None:
     save {"grads": full gradients before the first optimizer step, "metrics": per step, "state": full state dict}."""
     from slipstream.trainer.setup import setup_trainer, teardown_trainer
     from slipstream.trainer.step import train_step
-    from slipstream.trainer.weights import gather_full_state_dict
     from slipstream.transport.rollouts import batch_path, read_batch
 
     trainer = setup_trainer(config)
@@ -143,3 +142,14 @@ def run_trainers(configs: list[Any]) -> None:
             run_trainer(config)
     finally:
         dist.destroy_process_group()
+
+
+def gather_full_state_dict(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective (every rank calls it): the wrapped model's full state dict, unsharded, on the CPU at rank 0
+    (an empty dict on the other ranks)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from slipstream.trainer.policy import strip_wrapped_prefix
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return strip_wrapped_prefix(get_model_state_dict(policy, options=options))

@@ -90,3 +90,18 @@ def wait_healthy(server: subprocess.Popen, url: str, log_path) -> None:
         except httpx.HTTPError:
             pass
         time.sleep(1)
+
+
+RESUME_MAX_STEPS = 4
+
+
+def resume_config(model_dir: Path, output_dir: Path) -> dict:
+    """The run that resume tests interrupt: synchronous (max_async_level = 0) with seeded requests, so batch contents
+    do not depend on timing and a resumed run must end with the weights of an uninterrupted one."""
+    return tiny_rl_config(
+        model_dir,
+        output_dir,
+        max_steps=RESUME_MAX_STEPS,
+        orchestrator={"max_async_level": 0, "seed_requests": True},
+        checkpoint={"interval": 1, "keep_last": 1, "keep_every": 2},
+    )

@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.e2e.helpers import processes_with_marker, tiny_rl_config, write_config
+from tests.e2e.helpers import RESUME_MAX_STEPS as MAX_STEPS
+from tests.e2e.helpers import processes_with_marker, resume_config, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
-MAX_STEPS = 4
 # a random point of the run after the first commit: (file that must exist, extra sleep bound in s)
 KILL_POINTS = [
     ("checkpoints/step_1/COMMITTED", 0.5),
@@ -28,17 +28,6 @@ KILL_POINTS = [
     ("checkpoints/step_2/orchestrator/COMMITTED", 0.2),
     ("rollouts/step_3/rank_0.msgpack", 0.2),
 ]
-
-
-def _config(model_dir: Path, out: Path) -> dict:
-    """Synchronous (max_async_level = 0), seeded requests: batch contents do not depend on timing."""
-    return tiny_rl_config(
-        model_dir,
-        out,
-        max_steps=MAX_STEPS,
-        orchestrator={"max_async_level": 0, "seed_requests": True},
-        checkpoint={"interval": 1, "keep_last": 1, "keep_every": 2},
-    )
 
 
 def _rl(config_path: Path, env: dict, *extra: str) -> subprocess.Popen:
@@ -86,24 +75,12 @@ def _victim_pid(marker: str, victim: str) -> int:
     return next(iter(matches))
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_qwen3_dir, tmp_path_factory) -> Path:
-    """An uninterrupted run of the same config."""
-    root = tmp_path_factory.mktemp("reference")
-    out = root / "run"
-    cfg = write_config(root / "rl.toml", _config(tiny_qwen3_dir, out))
-    proc = subprocess.run(
-        [sys.executable, "-m", "slipstream", "rl", "-c", str(cfg)], capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    return out
-
-
 @pytest.mark.parametrize("victim", ["trainer", "orchestrator"])
-def test_kill_and_resume_matches_an_uninterrupted_run(victim, reference, tiny_qwen3_dir, tmp_path, run_env):
+def test_kill_and_resume_matches_an_uninterrupted_run(victim, resume_reference, tiny_qwen3_dir, tmp_path, run_env):
+    reference = resume_reference  # an uninterrupted run of the same config
     marker, env = run_env
     out = tmp_path / "run"
-    cfg = write_config(tmp_path / "rl.toml", _config(tiny_qwen3_dir, out))
+    cfg = write_config(tmp_path / "rl.toml", resume_config(tiny_qwen3_dir, out))
     rng = random.Random()
     point, max_sleep = rng.choice(KILL_POINTS)
     sleep = rng.uniform(0.0, max_sleep)

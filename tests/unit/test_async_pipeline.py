@@ -21,7 +21,8 @@ from slipstream.orchestrator.loop import orchestrate
 from slipstream.orchestrator.metrics import rollout_metrics
 from slipstream.orchestrator.pipeline import RolloutPipeline
 from slipstream.orchestrator.rollouts import Rollout
-from slipstream.orchestrator.weights import WEIGHT_CHECKS_FILE, WeightRelay
+from slipstream.orchestrator.weights import WeightRelay
+from slipstream.rundir import WEIGHT_CHECKS_FILE
 from slipstream.transport.rollouts import batch_path, read_batch
 from slipstream.transport.weights import PROBE, READY, weights_dir
 from slipstream.utils.fs import commit_dir

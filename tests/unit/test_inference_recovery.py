@@ -18,7 +18,8 @@ import pytest
 from slipstream.inference.sim import SimConfig
 from slipstream.orchestrator.client import InferenceClient, InferenceUnavailable
 from slipstream.orchestrator.pipeline import RolloutPipeline
-from slipstream.orchestrator.weights import WEIGHT_CHECKS_FILE, WeightRelay
+from slipstream.orchestrator.weights import WeightRelay
+from slipstream.rundir import WEIGHT_CHECKS_FILE
 from tests.e2e.helpers import free_port
 from tests.unit.test_async_pipeline import (
     MODEL,

@@ -20,7 +20,8 @@ from starlette.routing import Route
 
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.orchestrator.loop import run_orchestrator
-from slipstream.orchestrator.weights import WEIGHT_CHECKS_FILE, WeightSyncError
+from slipstream.orchestrator.weights import WeightSyncError
+from slipstream.rundir import WEIGHT_CHECKS_FILE
 from slipstream.transport.rollouts import batch_path, read_batch
 from slipstream.transport.weights import PROBE, READY, weights_dir
 from slipstream.utils.fs import commit_dir
@@ -41,6 +42,7 @@ class FakeVLLM:
     def __init__(self, ignore_loads: bool = False, token_delay_s: float = 0.0) -> None:
         self.version = 0
         self.paused = False
+        self.updating: int | None = None
         self.ignore_loads = ignore_loads
         self.token_delay_s = token_delay_s
         self.calls: list[str] = []
@@ -54,7 +56,9 @@ class FakeVLLM:
             Route("/pause", self.pause, methods=["POST"]),
             Route("/resume", self.resume, methods=["POST"]),
             Route("/reset_prefix_cache", self.reset, methods=["POST"]),
-            Route("/collective_rpc", self.rpc, methods=["POST"]),
+            Route("/start_weight_update", self.start_update, methods=["POST"]),
+            Route("/update_weights", self.update_weights, methods=["POST"]),
+            Route("/finish_weight_update", self.finish_update, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
         ]
@@ -82,15 +86,26 @@ class FakeVLLM:
         self.calls.append("reset_prefix_cache")
         return JSONResponse({"success": True})
 
-    async def rpc(self, request: Request) -> JSONResponse:
-        body = await request.json()
-        path = Path(body["args"][0])
-        assert body["method"] == "slipstream_load_weights" and path.is_absolute() and (path / READY).exists()
+    async def start_update(self, request: Request) -> JSONResponse:
+        assert self.paused, "weights must be loaded while paused"
+        self.updating = None
+        return JSONResponse({"message": "Weight update started"})
+
+    async def update_weights(self, request: Request) -> JSONResponse:
+        info = (await request.json())["update_info"]
+        path = Path(info["path"])
+        assert path.is_absolute() and (path / READY).exists() and path.name == f"step_{info['step']}"
         assert self.paused, "weights must be loaded while paused"
         self.calls.append(f"load:{path.name}")
+        self.updating = info["step"]
+        return JSONResponse({"message": "Weights updated"})
+
+    async def finish_update(self, request: Request) -> JSONResponse:
+        version = int((await request.json())["weight_version"])
+        assert self.paused and self.updating == version, "finish must follow the update of the same version"
         if not self.ignore_loads:
-            self.version = int(path.name.removeprefix("step_"))
-        return JSONResponse({"results": [True]})
+            self.version = version
+        return JSONResponse({"message": "Weight update finished"})
 
     async def chat(self, request: Request) -> StreamingResponse | JSONResponse:
         body = await request.json()

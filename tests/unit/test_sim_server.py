@@ -128,7 +128,8 @@ def test_request_spanning_a_weight_update_reports_both_versions(tmp_path):
             request = asyncio.create_task(http.post("/v1/chat/completions", json=chat_body(max_tokens=60)))
             await _until(lambda: server.engine.num_running == 1)
             await asyncio.sleep(0.1)
-            await client.load_weights(path)  # pause keep, collective_rpc, reset_prefix_cache, resume
+            # pause keep, start/update/finish weight update, reset_prefix_cache, resume
+            await client.load_weights(3, {"step": 3, "path": path})
             choice = (await request).json()["choices"][0]
             versions, ids = choice["token_versions"], choice["token_ids"]
             k = versions.index(3)
@@ -215,16 +216,29 @@ def test_weight_loads_are_checked(tmp_path):
     server, serving = serve()
     (tmp_path / "weights" / "step_2").mkdir(parents=True)
 
-    def rpc(url: str, path: str) -> httpx.Response:
-        return httpx.post(f"{url}/collective_rpc", json={"method": "slipstream_load_weights", "args": [path]})
+    def post(url: str, route: str, body: dict | None = None) -> httpx.Response:
+        return httpx.post(f"{url}/{route}", json=body)
+
+    def update(url: str, step: int, path: str) -> httpx.Response:
+        return post(url, "update_weights", {"update_info": {"step": step, "path": path}})
 
     with serving as url:
-        assert "POST /pause first" in rpc(url, publish(tmp_path, 1)).text
+        assert "POST /pause first" in post(url, "start_weight_update").text
+        assert "start_weight_update must be called" in update(url, 1, publish(tmp_path, 1)).text
         httpx.post(f"{url}/pause", params={"mode": "keep"})
-        assert "READY" in rpc(url, str(tmp_path / "weights" / "step_2")).text
-        assert "step_N" in rpc(url, str(tmp_path)).text
-        reply = rpc(url, str(tmp_path / "weights" / "step_1"))
-    assert reply.status_code == 200 and reply.json()["results"][0]["path"].endswith("step_1")
+        assert post(url, "start_weight_update").status_code == 200
+        assert "already active" in post(url, "start_weight_update").text
+        assert "READY" in update(url, 2, str(tmp_path / "weights" / "step_2")).text
+        assert (
+            "broadcast but no group" in post(url, "update_weights", {"update_info": {"step": 1, "manifest": {}}}).text
+        )
+        assert update(url, 1, str(tmp_path / "weights" / "step_1")).status_code == 200
+        assert "weight_version" in post(url, "finish_weight_update", {}).text
+        assert post(url, "start_weight_update").status_code == 200
+        assert update(url, 1, str(tmp_path / "weights" / "step_1")).status_code == 200
+        reply = post(url, "finish_weight_update", {"weight_version": "1"})
+        assert httpx.get(f"{url}/get_world_size").json() == {"world_size": 1}
+    assert reply.status_code == 200 and server.engine.loads[-1].endswith("step_1")
     assert server.engine.version == 1
 
 

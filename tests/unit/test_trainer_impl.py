@@ -83,9 +83,8 @@ def test_custom_and_hf_give_the_same_logprobs_loss_and_grads(tiny_model_factory,
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_publishing_our_model_writes_a_transformers_checkpoint(tiny_model_factory, family, tmp_path, monkeypatch):
-    if family == "qwen3_moe":
-        monkeypatch.setattr("slipstream.trainer.weights.MAX_SHARD_SIZE", "100KB")  # ~1.3 MB in bf16: sharded
+def test_publishing_our_model_writes_a_transformers_checkpoint(tiny_model_factory, family, tmp_path):
+    bucket_bytes = 100_000 if family == "qwen3_moe" else 512 << 20  # ~1.3 MB in bf16: sharded
     path = tiny_model_factory(family)
     custom, hf = _models(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -93,7 +92,9 @@ def test_publishing_our_model_writes_a_transformers_checkpoint(tiny_model_factor
     # After a training forward/backward (MoE layers then hold graph tensors of their statistics).
     batch = TrainingBatch(1, 0, 5, [_micro_batch([(3, 5)], seed=3, vocab_size=hf.config.vocab_size)])
     train_step(Policy(custom), torch.optim.SGD(custom.parameters(), lr=0.0), batch, LossConfig(), 1e9, CPU)
-    out = publish_weights(custom, tokenizer, tmp_path, 3, probe_ids, dtype=torch.bfloat16, source_dir=path)
+    out = publish_weights(
+        custom, tokenizer, tmp_path, 3, probe_ids, dtype=torch.bfloat16, source_dir=path, bucket_bytes=bucket_bytes
+    )
     assert out == weights_dir(tmp_path, 3)
     assert AutoConfig.from_pretrained(out).dtype == torch.bfloat16
     shards = sorted(p.name for p in out.glob("*.safetensors"))

@@ -14,7 +14,8 @@ from slipstream.transport.rollouts import (
     wait_for_batch,
     write_batch,
 )
-from slipstream.transport.weights import is_ready, latest_ready_step, wait_for_weights, weights_dir
+from slipstream.transport.weight_offers import wait_for_available
+from slipstream.transport.weights import is_ready, latest_ready_step, weights_dir
 from slipstream.utils.fs import commit_dir
 
 
@@ -85,6 +86,6 @@ def test_weights_ready_only_after_commit(tmp_path):
     (tmp / "READY").write_text("")
     commit_dir(tmp, weights_dir(tmp_path, 1))
     assert is_ready(tmp_path, 1) and latest_ready_step(tmp_path) == 1
-    assert wait_for_weights(tmp_path, 1, timeout_s=1) == 1
+    assert wait_for_available(tmp_path, 1, timeout_s=1) == 1
     with pytest.raises(TimeoutError, match="publish"):
-        wait_for_weights(tmp_path, 2, timeout_s=0.1)
+        wait_for_available(tmp_path, 2, timeout_s=0.1)

@@ -1,9 +1,24 @@
 """Config of the inference process: a vLLM OpenAI server plus Slipstream's weight-loading worker extension."""
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, model_validator
 
 from slipstream.config.base import BaseConfig
 from slipstream.config.shared import ModelConfig
+from slipstream.config.weights import WeightsConfig
+
+OWN_FLAGS = {
+    "--model": "model.name",
+    "--dtype": "model.dtype",
+    "--tensor-parallel-size": "inference.tensor_parallel_size",
+    "-tp": "inference.tensor_parallel_size",
+    "--data-parallel-size": "inference.data_parallel_size",
+    "-dp": "inference.data_parallel_size",
+    "--weight-transfer-config": "weights (Slipstream's weight-transfer backend is always used)",
+}
+"""vLLM flags Slipstream sets from its own fields (flag -> the field to set instead): inference.extra_args must not
+repeat them."""
 
 
 class InferenceConfig(BaseConfig):
@@ -34,7 +49,20 @@ class InferenceConfig(BaseConfig):
     """Fraction of GPU memory vLLM may take (GPU builds only)."""
 
     tensor_parallel_size: int = Field(1, ge=1)
-    """Tensor-parallel degree of each server."""
+    """Tensor-parallel degree of each vLLM engine (`--tensor-parallel-size`); must divide the model's attention
+    heads."""
+
+    data_parallel_size: int | None = Field(None, ge=1)
+    """Data-parallel engines behind the one server (`--data-parallel-size`), each on tensor_parallel_size GPUs;
+    tensor_parallel_size x data_parallel_size must equal the GPUs inference gets (deployment.inference_gpus).
+    None: `slipstream rl` fills the inference GPUs (their count / tensor_parallel_size); 1 on CPU."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where vLLM runs; decides GPU-only flags such as `--gpu-memory-utilization`. `slipstream rl` sets it from
+    the GPU placement; auto (a server started alone): CUDA when torch sees a GPU."""
+
+    weights: WeightsConfig = WeightsConfig()
+    """How new weights arrive from the trainer. Under `slipstream rl` set once at the top level."""
 
     cpu_kv_cache_gib: int = Field(1, ge=1)
     """KV-cache size in GiB on the CPU build (VLLM_CPU_KVCACHE_SPACE)."""
@@ -55,6 +83,16 @@ class InferenceConfig(BaseConfig):
 
     extra_args: list[str] = []
     """Extra command-line arguments appended to the vLLM server command, e.g. `["--max-num-batched-tokens", "4096"]`."""
+
+    @model_validator(mode="after")
+    def _check_extra_args(self) -> "InferenceConfig":
+        for arg in self.extra_args:
+            flag = arg.split("=", 1)[0].replace("_", "-")  # vLLM accepts --tensor_parallel_size too
+            if flag in OWN_FLAGS:
+                raise ValueError(
+                    f"inference.extra_args sets {flag}, which Slipstream sets itself; use {OWN_FLAGS[flag]} instead"
+                )
+        return self
 
     @property
     def url(self) -> str:

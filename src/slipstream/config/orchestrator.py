@@ -7,6 +7,7 @@ from pydantic import Field, model_validator
 
 from slipstream.config.base import BaseConfig
 from slipstream.config.shared import CheckpointConfig, ModelConfig
+from slipstream.config.weights import WeightsConfig
 
 
 class SamplingConfig(BaseConfig):
@@ -201,6 +202,10 @@ class OrchestratorConfig(BaseConfig):
     the seed. Single-turn groups send one request seeded s (vLLM draws sample i with s + i); multi-turn rollouts
     seed turn t of sample i with s + i + t * group_size. The CPU build of vLLM crashes on seeded requests with chunked
     prefill on: `slipstream rl` turns it off (inference.chunked_prefill) unless set explicitly."""
+
+    weights: WeightsConfig = WeightsConfig()
+    """How weights reach inference: the orchestrator relays each update and prunes published folders. Under
+    `slipstream rl` set once at the top level."""
 
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Checkpoint steps: at each, the orchestrator writes its state (data position, counters) into

@@ -6,10 +6,12 @@ from typing import Any
 from pydantic import BaseModel, Field, model_validator
 
 from slipstream.config.base import BaseConfig
+from slipstream.config.deployment import DeploymentConfig
 from slipstream.config.inference import InferenceConfig
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.config.shared import CheckpointConfig, ModelConfig
 from slipstream.config.trainer import TrainerConfig
+from slipstream.config.weights import WeightsConfig
 
 # shared top-level key -> sections that receive it
 _SHARED = {
@@ -18,7 +20,9 @@ _SHARED = {
     "max_steps": ("orchestrator", "trainer"),
     "seed": ("inference", "orchestrator", "trainer"),
     "checkpoint": ("orchestrator", "trainer"),
+    "weights": ("inference", "orchestrator", "trainer"),
 }
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 # options that `slipstream rl --help` leaves out: set at the top level instead
 HELP_SKIP = tuple(f"--{section}.{key}" for key, sections in _SHARED.items() for section in sections) + (
@@ -32,8 +36,10 @@ HELP_SKIP = tuple(f"--{section}.{key}" for key, sections in _SHARED.items() for 
 class LaunchConfig(BaseConfig):
     """How `slipstream rl` starts and supervises the processes on this machine."""
 
-    num_trainer_procs: int = Field(1, ge=1)
-    """Trainer ranks started by torchrun on this node."""
+    num_trainer_procs: int | None = Field(None, ge=1)
+    """Trainer ranks started by torchrun on this node. On GPUs it must equal the trainer's GPUs
+    (deployment.trainer_gpus); None: that count, or 1 on CPU. Where the orchestrator runs without the trainer
+    (deployment.run), set it to the trainer node's rank count."""
 
     health_timeout_s: float = Field(600.0, gt=0.0)
     """How long to wait for the inference server's /health before giving up."""
@@ -66,6 +72,10 @@ class RLConfig(BaseConfig):
     seed: int = 0
     """Seed shared by all processes."""
 
+    weights: WeightsConfig = WeightsConfig()
+    """Weight transfer from trainer to inference after every step. `transport = "auto"` becomes nccl when the
+    trainer gets GPUs, else filesystem (decided at launch)."""
+
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Whole-run checkpoints (trainer and orchestrator state of a step, committed together) and their retention."""
 
@@ -83,6 +93,7 @@ class RLConfig(BaseConfig):
     orchestrator: OrchestratorConfig
     trainer: TrainerConfig
     launch: LaunchConfig = LaunchConfig()
+    deployment: DeploymentConfig = DeploymentConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -90,7 +101,7 @@ class RLConfig(BaseConfig):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        defaults = {"output_dir": "outputs/run", "seed": 0}
+        defaults = {"output_dir": "outputs/run", "seed": 0, "weights": WeightsConfig().model_dump()}
         for key, sections in _SHARED.items():
             value = data.get(key, defaults.get(key))
             if value is None:
@@ -112,11 +123,10 @@ class RLConfig(BaseConfig):
             host = inf.get("host", "127.0.0.1")
             host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
             orch["inference_url"] = f"http://{host}:{inf.get('port', 8000)}"
-        launch = _table(data.get("launch")) or {}
         trainer = _table(data.get("trainer"))
         cp = (_table((trainer or {}).get("parallel")) or {}).get("cp", 1)
         # The cp ranks of a group share one batch: the orchestrator writes one per group.
-        procs = launch.get("num_trainer_procs", 1)
+        procs = _known_trainer_procs(_table(data.get("launch")) or {}, _table(data.get("deployment")) or {})
         if isinstance(procs, int) and isinstance(cp, int) and cp >= 1:
             orch.setdefault("num_trainer_ranks", max(procs // cp, 1))
         resume = data.get("resume_step") or ("latest" if data.get("resume") is True else None)
@@ -147,7 +157,9 @@ class RLConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _check_ranks(self) -> "RLConfig":
-        cp, procs = self.trainer.parallel.cp, self.launch.num_trainer_procs
+        cp, procs = self.trainer.parallel.cp, self.trainer_procs()
+        if procs is None:
+            return self  # decided at launch from the visible GPUs; checked again then
         if procs % cp != 0:
             raise ValueError(
                 f"trainer.parallel.cp ({cp}) must divide launch.num_trainer_procs ({procs}); change one of them"
@@ -158,6 +170,68 @@ class RLConfig(BaseConfig):
                 "per group of cp ranks); set only launch.num_trainer_procs"
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_nodes(self) -> "RLConfig":
+        run, transport = self.deployment.run, self.weights.transport
+        if "orchestrator" in run and "trainer" not in run and self.launch.num_trainer_procs is None:
+            raise ValueError(
+                "the orchestrator runs on this node without the trainer (deployment.run), so it cannot count the "
+                "trainer's ranks; set launch.num_trainer_procs to the trainer node's number of ranks"
+            )
+        split = ("inference" in run) != ("trainer" in run)
+        if transport == "auto" and len(run) < 3:
+            raise ValueError(
+                f"only part of the run starts on this node (deployment.run = {run}), and every node must agree on "
+                "how weights travel: set weights.transport explicitly ('nccl' between GPU nodes, 'filesystem' on a "
+                "shared filesystem)"
+            )
+        if transport in ("nccl", "gloo") and split and self.weights.master_addr in LOOPBACK:
+            raise ValueError(
+                f"weights.transport = {transport!r} with inference and the trainer on different nodes "
+                f"(deployment.run = {run}): set weights.master_addr to the trainer node's address, reachable from "
+                "the inference node (or use weights.transport = 'filesystem' on a shared filesystem)"
+            )
+        if transport == "nccl" and self.deployment.gpus == []:
+            raise ValueError(
+                "weights.transport = 'nccl' needs GPUs, but deployment.gpus = [] runs on CPU; use 'gloo' or "
+                "'filesystem' (or 'auto'), or give the run GPUs"
+            )
+        return self
+
+    def trainer_procs(self) -> int | None:
+        """Trainer ranks on this node as far as the config fixes them (launch.num_trainer_procs, else the trainer's
+        GPU count, 1 on CPU); None: decided at launch from the visible GPUs."""
+        return _known_trainer_procs(self.launch.model_dump(), self.deployment.model_dump())
+
+    def rebuilt(self, changes: dict[str, Any]) -> "RLConfig":
+        """This config with `changes` merged in (nested tables merge) and validated again, so shared fields are
+        copied into the sections again and derived ones (orchestrator.num_trainer_ranks) derived again. Raises
+        ConfigError naming the key."""
+        from slipstream.config.loader import deep_merge, validate_config
+
+        data = self.model_dump()
+        for key, sections in _SHARED.items():
+            for section in sections:
+                data[section].pop(key, None)
+        data["orchestrator"].pop("num_trainer_ranks", None)
+        return validate_config(RLConfig, deep_merge(data, changes))
+
+
+def _known_trainer_procs(launch: dict[str, Any], deployment: dict[str, Any]) -> int | None:
+    """launch.num_trainer_procs if set, else the trainer's GPU count when the deployment fixes it (1 on CPU), else
+    None. Works on raw (unvalidated) tables: values of the wrong type give None, and field validation reports them."""
+    procs = launch.get("num_trainer_procs")
+    if procs is not None:
+        return procs if isinstance(procs, int) else None
+    try:
+        deployment_config = DeploymentConfig.model_validate(deployment)
+    except ValueError:
+        return None  # field validation reports it
+    if "trainer" not in deployment_config.run:
+        return 1  # no trainer on this node: _check_nodes asks for launch.num_trainer_procs where it matters
+    known = deployment_config.known_trainer_gpus()
+    return None if known is None else max(known, 1)
 
 
 def _table(value: Any) -> dict[str, Any] | None:

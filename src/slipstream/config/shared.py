@@ -1,5 +1,6 @@
 """Config pieces shared by several processes."""
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -11,12 +12,33 @@ class ModelConfig(BaseConfig):
     """Which model to train and serve."""
 
     name: str
-    """A local Hugging Face model folder, or a known alias such as `smollm2-135m-instruct`
-    (imported on first use into the model cache, see `slipstream model import`)."""
+    """The model, and the name inference serves it under: a local Hugging Face model folder; a known alias such as
+    `smollm2-135m-instruct` (imported on first use into the model cache, see `slipstream model import`); a name
+    imported there before (a GGUF file stem); or a Hugging Face Hub id such as `Qwen/Qwen3-0.6B`, downloaded once
+    into the Hugging Face cache (HF_HUB_CACHE; set HF_TOKEN for gated or private repos, HF_HUB_OFFLINE=1 to use the
+    cache only). A local folder wins over a hub id of the same spelling."""
+
+    revision: str | None = Field(None, min_length=1)
+    """For a Hugging Face Hub id: the branch, tag or commit hash to use (None: `main`). Pin a commit hash to make a
+    run reproducible."""
+
+    path: Path | None = None
+    """The local folder `name` (at `revision`) resolved to. `slipstream rl` sets it before starting any process, so
+    every process reads the same folder and none resolves or downloads the model again; leave it unset."""
 
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype inference serves and weights are published in; also the trainer's compute dtype (its master
-    weights and optimizer state stay float32). float32 keeps CPU runs exact; use bfloat16 on GPUs."""
+    weights and optimizer state stay float32). float32 keeps CPU runs exact; `slipstream rl` uses bfloat16 instead
+    when this is left unset and its processes get GPUs (deployment)."""
+
+    @model_validator(mode="after")
+    def _check_revision(self) -> "ModelConfig":
+        if self.revision is not None and "/" not in self.name:
+            raise ValueError(
+                f"model.revision only applies to Hugging Face Hub ids (org/name), and model.name '{self.name}' is "
+                "not one; unset model.revision, or set model.name to a hub id"
+            )
+        return self
 
 
 class CheckpointConfig(BaseConfig):

@@ -7,6 +7,7 @@ from pydantic import Field, field_validator, model_validator
 
 from slipstream.config.base import BaseConfig
 from slipstream.config.shared import CheckpointConfig, ModelConfig
+from slipstream.config.weights import WeightsConfig
 
 
 class ParallelConfig(BaseConfig):
@@ -153,6 +154,10 @@ class TrainerConfig(BaseConfig):
     loss: LossConfig = LossConfig()
     probe: ProbeConfig = ProbeConfig()
     parallel: ParallelConfig = ParallelConfig()
+
+    weights: WeightsConfig = WeightsConfig()
+    """How the trainer publishes weights for inference (transport, buckets, rendezvous, retention). Under
+    `slipstream rl` set once at the top level."""
 
     checkpoint: CheckpointConfig = CheckpointConfig()
     """When to write checkpoints (model, optimizer, progress, RNG; torch.distributed.checkpoint) into

@@ -15,6 +15,7 @@ from slipstream.eval.evaluate import evaluate
 from slipstream.eval.results import EvalResult, TaskResult
 from slipstream.orchestrator.client import InferenceClient
 from slipstream.orchestrator.rollouts import WeightedSemaphore
+from slipstream.rundir import RunDir
 from slipstream.utils.fs import atomic_write_text
 
 
@@ -88,17 +89,17 @@ async def _evaluate_at(config: EvalConfig, env: AnyEnvironment, url: str) -> Eva
 
 def resolve_eval_model(config: EvalConfig) -> Path:
     """The folder to serve: the run's `weights/step_<step>` (step >= 1), else `model.name` resolved."""
-    from slipstream.models.hub import resolve_model
-    from slipstream.transport.weights import READY, latest_ready_step, weights_dir
+    from slipstream.models.hub import resolve_model_config
+    from slipstream.transport.weights import READY, latest_ready_step
 
     if config.run_dir is None or config.step is None:
-        return resolve_model(config.model.name)
+        return resolve_model_config(config.model)
     if not config.run_dir.is_dir():
         raise FileNotFoundError(f"run_dir {config.run_dir} does not exist")
     check_run_model(config.run_dir, config.model.name)
     if config.step == 0:
-        return resolve_model(config.model.name)
-    path = weights_dir(config.run_dir, config.step)
+        return resolve_model_config(config.model)
+    path = RunDir(config.run_dir).weights_dir(config.step)
     if not (path / READY).exists():
         latest = latest_ready_step(config.run_dir)
         raise FileNotFoundError(
@@ -110,7 +111,7 @@ def resolve_eval_model(config: EvalConfig) -> Path:
 
 def check_run_model(run_dir: Path, model_name: str) -> None:
     """Refuse a `model.name` other than the run's (from its `config/inference.toml`, when the run wrote one)."""
-    path = run_dir / "config" / "inference.toml"
+    path = RunDir(run_dir).config_path("inference")
     if not path.exists():
         return
     run_model = tomllib.loads(path.read_text()).get("model", {}).get("name")
@@ -121,7 +122,7 @@ def check_run_model(run_dir: Path, model_name: str) -> None:
 def _server_log_path(config: EvalConfig) -> Path:
     """`<run_dir>/logs/eval_step_<N>_inference.log`, else beside the results file, else in a new temp folder."""
     if config.run_dir is not None:
-        return config.run_dir / "logs" / f"eval_step_{config.step}_inference.log"
+        return RunDir(config.run_dir).log_path(f"eval_step_{config.step}_inference")
     if config.output_path is not None:
         return config.output_path.with_name(f"{config.output_path.stem}.inference.log")
     return Path(tempfile.mkdtemp(prefix="slipstream-eval-")) / "inference.log"

@@ -1,20 +1,24 @@
-"""Start vLLM's OpenAI-compatible server for Slipstream: dev-mode RL endpoints, our worker extension, and
+"""Start vLLM's OpenAI-compatible server for Slipstream: dev-mode RL endpoints, our weight-transfer engine, and
 logprobs at the sampling temperature (the trainer's loss needs them)."""
 
+import json
 import os
 import sys
 from pathlib import Path
 
 from slipstream.config.inference import InferenceConfig
 from slipstream.inference.instance import INSTANCE_ENV, new_instance_id
+from slipstream.inference.vllm_plugin import ENGINE_BACKEND
 
-WORKER_EXTENSION = "slipstream.inference.worker_ext.WeightLoaderExtension"
 ADMIN_MIDDLEWARE = "slipstream.inference.auth.AdminTokenMiddleware"
 INSTANCE_MIDDLEWARE = "slipstream.inference.instance.InstanceIdMiddleware"
+WEIGHT_TRANSFER_CONFIG = json.dumps({"backend": ENGINE_BACKEND})
+"""vLLM's weight-transfer engine: Slipstream's, registered by our vLLM plugin (inference/vllm_plugin.py)."""
 
 
 def build_vllm_argv(config: InferenceConfig, model_path: Path) -> list[str]:
-    """Command line of the vLLM server (python -m vllm.entrypoints.openai.api_server ...)."""
+    """Command line of the vLLM server (python -m vllm.entrypoints.openai.api_server ...). GPU-only flags follow
+    config.device, which `slipstream rl` sets from the GPU placement."""
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_path),
@@ -26,19 +30,21 @@ def build_vllm_argv(config: InferenceConfig, model_path: Path) -> list[str]:
         "--max-model-len", str(config.max_model_len),
         "--max-num-seqs", str(config.max_num_seqs),
         "--tensor-parallel-size", str(config.tensor_parallel_size),
-        "--worker-extension-cls", WORKER_EXTENSION,
+        "--weight-transfer-config", WEIGHT_TRANSFER_CONFIG,
         "--middleware", ADMIN_MIDDLEWARE,  # admin endpoints need the run's admin token
         "--middleware", INSTANCE_MIDDLEWARE,  # replies name this start of the server (restart detection)
         "--logprobs-mode", "processed_logprobs",
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
+    if (config.data_parallel_size or 1) > 1:
+        argv += ["--data-parallel-size", str(config.data_parallel_size)]
     if config.enforce_eager:
         argv.append("--enforce-eager")
     if config.chunked_prefill is not None:
         argv.append("--enable-chunked-prefill" if config.chunked_prefill else "--no-enable-chunked-prefill")
     if config.tool_call_parser is not None:
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
-    if _has_cuda():
+    if config.device == "cuda" or (config.device == "auto" and _has_cuda()):
         argv += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     return argv + list(config.extra_args)
 
@@ -69,7 +75,7 @@ def _has_cuda() -> bool:
 def run_inference(config: InferenceConfig) -> int:
     """Resolve the model folder and replace this process with the vLLM server."""
     from slipstream.inference.admin_token import TOKEN_ENV
-    from slipstream.models.hub import resolve_model
+    from slipstream.models.hub import resolve_model_config
 
     if not os.environ.get(TOKEN_ENV):
         print(
@@ -78,7 +84,7 @@ def run_inference(config: InferenceConfig) -> int:
             file=sys.stderr,
         )
         return 2
-    model_path = resolve_model(config.model.name)
+    model_path = resolve_model_config(config.model)
     argv = build_vllm_argv(config, model_path)
     print("starting vLLM:", " ".join(argv), flush=True)
     os.execve(sys.executable, argv, build_vllm_env(config))

@@ -12,11 +12,18 @@ from pathlib import Path
 
 from slipstream.config.rl import RLConfig
 from slipstream.inference.admin_token import ensure_admin_token
-from slipstream.launch.plan import build_plan, write_configs
+from slipstream.launch.models import resolve_run_model
+from slipstream.launch.placement import detect_visible_gpus
+from slipstream.launch.plan import ProcessSpec, build_plan, resolve_config, write_configs
 from slipstream.launch.restarts import InferenceRestarts
 from slipstream.launch.supervisor import ChildFailed, Supervisor, first_error, tail
+from slipstream.rundir import RunDir, RunLock, RunLockedError, launcher_env, wait_no_run_processes
 from slipstream.transport.checkpoints import prepare_resume, resolve_run_step
-from slipstream.transport.weights import is_ready, weights_dir
+from slipstream.transport.weights import is_ready
+
+EARLIER_RUN_EXIT_S = 3.0
+"""How long a new launcher waits for the processes of a just-killed run of its directory to end themselves (their
+watchdogs poll every 0.5 s) before it refuses to start."""
 
 
 class _Stop(Exception):
@@ -28,30 +35,54 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 
 def run_rl(config: RLConfig) -> int:
-    """Run the whole RL job; return the exit code (0 = all steps done)."""
-    config.output_dir.mkdir(parents=True, exist_ok=True)
+    """Run the whole RL job holding the run directory's lock; return the exit code (0 = all steps done, 2 = the
+    directory is in use or the config cannot run)."""
+    run = RunDir(config.output_dir)
+    run.root.mkdir(parents=True, exist_ok=True)
     try:
-        config = prepare_resume_run(config)
-    except (FileNotFoundError, ValueError) as e:
+        lock = claim_run_dir(run)
+    except RunLockedError as e:
         _say(f"error: {e}", err=True)
+        return 2
+    try:
+        return _run_locked(config, run)
+    finally:
+        lock.release()
+
+
+def claim_run_dir(run: RunDir) -> RunLock:
+    """Take the run lock, then make sure no process of an earlier run of this directory is alive (a launcher
+    killed by SIGKILL leaves none for long: see launch/watchdog.py). Raises RunLockedError naming the processes."""
+    lock = RunLock(run).acquire()
+    try:
+        wait_no_run_processes(run, EARLIER_RUN_EXIT_S)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _run_locked(config: RLConfig, run: RunDir) -> int:
+    try:
+        config, gpus = resolve_node_config(config)
+    except (FileNotFoundError, ValueError) as e:  # ConfigError is a ValueError
+        for line in str(e).splitlines():
+            _say(f"error: {line}", err=True)
         return 2
     write_configs(config)
     write_admin_token(config.output_dir)
-    specs = {spec.name: spec for spec in build_plan(config)}
-    sup = Supervisor(grace_s=config.launch.shutdown_grace_s)
+    specs = {spec.name: spec for spec in build_plan(config, gpus=gpus)}
+    sup = Supervisor(grace_s=config.launch.shutdown_grace_s, env=launcher_env(run))
     old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     start = time.monotonic()
     try:
-        _say(f"run directory {config.output_dir} (logs in {config.output_dir / 'logs'})")
-        sup.start(specs["inference"])
-        sup.start(specs["trainer"])
-        wait_healthy(sup, config.inference.url, config.launch.health_timeout_s)
-        _say(f"inference healthy after {time.monotonic() - start:.0f}s at {config.inference.url}")
-        sup.start(specs["orchestrator"])
-        watch_until_done(sup, config)
+        _say(f"run directory {run.root} (logs in {run.logs_dir}); starting {', '.join(specs)} on this node")
+        start_processes(sup, specs, config, start)
+        watch_until_done(sup, config, set(specs))
         _say(f"done: {config.max_steps} steps in {time.monotonic() - start:.0f}s; metrics in {config.output_dir}")
-        _write_plots(config.output_dir)
-        _print_heldout(config.output_dir)
+        if "orchestrator" in specs:
+            _write_plots(config.output_dir)
+            _print_heldout(config.output_dir)
         return 0
     except ChildFailed as e:
         _say(f"error: {e}; last lines of its log:\n{tail(e.log_path)}", err=True)
@@ -71,22 +102,47 @@ def run_rl(config: RLConfig) -> int:
             signal.signal(sig, handler)
 
 
+def resolve_node_config(config: RLConfig) -> tuple[RLConfig, list[int]]:
+    """What this node runs: resume prepared (where the trainer runs), the model resolved once for every process
+    (a Hub id is downloaded here, before any child starts), and the deployment placed on the visible GPUs."""
+    if "trainer" in config.deployment.run:
+        config = prepare_resume_run(config)
+    config = resolve_run_model(config)
+    gpus = detect_visible_gpus()
+    return resolve_config(config, gpus), gpus
+
+
+def start_processes(sup: Supervisor, specs: dict[str, ProcessSpec], config: RLConfig, start: float) -> None:
+    """Start this node's processes: inference and the trainer at once (the trainer loads its model while vLLM
+    starts), the orchestrator once inference (here or on another node) answers /health."""
+    for name in ("inference", "trainer"):
+        if name in specs:
+            sup.start(specs[name])
+    if "orchestrator" not in specs:
+        return
+    url = config.orchestrator.inference_url
+    wait_healthy(sup, url, config.launch.health_timeout_s)
+    _say(f"inference healthy after {time.monotonic() - start:.0f}s at {url}")
+    sup.start(specs["orchestrator"])
+
+
 def prepare_resume_run(config: RLConfig) -> RLConfig:
     """For --resume / --resume-step: pick the committed step, delete what the run wrote after it, and return the
     config with that step (or none: start over) given to trainer and orchestrator. Other configs are returned as is."""
     if config.trainer.resume_step is None:
         return config
     field = "resume_step" if config.resume_step is not None else "resume"
+    run = RunDir(config.output_dir)
     step = resolve_run_step(config.output_dir, config.trainer.resume_step, field)
     if step is not None and not is_ready(config.output_dir, step):
         raise FileNotFoundError(
-            f"{weights_dir(config.output_dir, step)} is missing or incomplete, so inference cannot be given the policy "
-            f"of step {step}; resume from another committed step (--resume-step)"
+            f"{run.weights_dir(step)} is missing or incomplete, so inference cannot be given the policy of step "
+            f"{step}; resume from another committed step (--resume-step)"
         )
     removed = prepare_resume(config.output_dir, step or 0)
     dropped = f"; removed {', '.join(removed)}" if removed else ""
     if step is None:
-        _say(f"--resume: no committed checkpoint in {config.output_dir / 'checkpoints'}; starting at step 0{dropped}")
+        _say(f"--resume: no committed checkpoint in {run.checkpoints_root}; starting at step 0{dropped}")
     else:
         _say(f"resuming {config.output_dir} after step {step}{dropped}")
     update = {"resume": step is not None, "resume_step": step}
@@ -103,7 +159,7 @@ def write_admin_token(output_dir: Path) -> None:
     """Create the run's admin token (children inherit it) and leave a copy, readable by this user only, for
     people who need to call the admin endpoints by hand."""
     token = ensure_admin_token()
-    path = output_dir / "admin_token"
+    path = RunDir(output_dir).admin_token_path
     path.unlink(missing_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -128,13 +184,15 @@ def wait_healthy(sup: Supervisor, url: str, timeout_s: float) -> None:
     )
 
 
-def watch_until_done(sup: Supervisor, config: RLConfig) -> None:
-    """Supervise until trainer and orchestrator have both finished, restarting inference if it dies (up to
-    launch.inference_restarts); print one progress line per step."""
+def watch_until_done(sup: Supervisor, config: RLConfig, names: set[str] | None = None) -> None:
+    """Supervise until this node's trainer and orchestrator (of `names`, default both) have finished, restarting
+    inference if it dies (up to launch.inference_restarts); print one progress line per step. A node that runs
+    inference only serves until it is stopped."""
+    finishers = {"trainer", "orchestrator"} & (names if names is not None else {"trainer", "orchestrator"})
     from slipstream.monitor.metrics import format_progress
 
     restarts = InferenceRestarts(config.launch, f"{config.inference.url}/health", _say)
-    metrics_path = config.output_dir / "metrics.jsonl"
+    metrics_path = RunDir(config.output_dir).metrics_path
     offset = metrics_path.stat().st_size if metrics_path.exists() else 0  # a resumed run's earlier steps are not news
 
     def step(ignore: tuple[str, ...] = ()) -> list[str]:
@@ -152,7 +210,7 @@ def watch_until_done(sup: Supervisor, config: RLConfig) -> None:
             restarts.restart(sup, e, keep_watching=functools.partial(step, ignore=(e.name,)))
             continue
         restarts.poll_health()
-        if {"trainer", "orchestrator"} <= set(finished):
+        if finishers and finishers <= set(finished):
             return
         time.sleep(0.5)
 
@@ -175,7 +233,7 @@ def _write_plots(output_dir: Path) -> None:
     from slipstream.monitor.plots import write_plots
 
     paths = write_plots(output_dir)
-    _say(f"plots: {', '.join(p.name for p in paths)} in {output_dir / 'plots'}")
+    _say(f"plots: {', '.join(p.name for p in paths)} in {RunDir(output_dir).plots_dir}")
 
 
 def _print_heldout(output_dir: Path) -> None:

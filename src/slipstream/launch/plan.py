@@ -1,12 +1,17 @@
 """Pure planning: an RLConfig becomes the resolved per-process configs and the commands that run them."""
 
+import json
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from slipstream.config.rl import RLConfig
+from slipstream.launch.placement import Placement, PlacementError, detect_visible_gpus, place
+from slipstream.rundir import RunDir
 from slipstream.utils.fs import commit_dir
 
 
@@ -24,8 +29,8 @@ class ProcessSpec:
 
 
 def config_paths(config: RLConfig) -> dict[str, Path]:
-    root = config.output_dir / "config"
-    return {name: root / f"{name}.toml" for name in ("rl", "inference", "orchestrator", "trainer")}
+    run = RunDir(config.output_dir)
+    return {name: run.config_path(name) for name in ("rl", "inference", "orchestrator", "trainer")}
 
 
 def write_configs(config: RLConfig) -> dict[str, Path]:
@@ -49,24 +54,109 @@ def write_configs(config: RLConfig) -> dict[str, Path]:
     return paths
 
 
-def build_plan(config: RLConfig, python: str = sys.executable) -> list[ProcessSpec]:
-    """Processes in start order: inference, trainer (loads its model while vLLM starts), orchestrator."""
-    paths, logs = config_paths(config), config.output_dir / "logs"
+def build_plan(config: RLConfig, python: str = sys.executable, gpus: Sequence[int] | None = None) -> list[ProcessSpec]:
+    """Processes of this node (deployment.run) in start order: inference, trainer (loads its model while vLLM starts),
+    orchestrator; each pinned to its GPUs. `gpus`: the GPUs this node shows (None: detect them)."""
+    placement = place_config(config, gpus)
+    paths, run = config_paths(config), RunDir(config.output_dir)
     cli = [python, "-m", "slipstream"]
     torchrun = [
         python, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(config.launch.num_trainer_procs),
+        "--nproc-per-node", str(placement.num_trainer_procs),
         "-m", "slipstream",
     ]  # fmt: skip
     env = {"PYTHONUNBUFFERED": "1"}
-    return [
-        ProcessSpec("inference", [*cli, "inference", "-c", str(paths["inference"])], logs / "inference.log", env),
-        ProcessSpec("trainer", [*torchrun, "trainer", "-c", str(paths["trainer"])], logs / "trainer.log", env, False),
+    specs = [
+        ProcessSpec(
+            "inference",
+            [*cli, "inference", "-c", str(paths["inference"])],
+            run.log_path("inference"),
+            {**env, **placement.env("inference")},
+        ),
+        ProcessSpec(
+            "trainer",
+            [*torchrun, "trainer", "-c", str(paths["trainer"])],
+            run.log_path("trainer"),
+            {**env, **placement.env("trainer")},
+            False,
+        ),
         ProcessSpec(
             "orchestrator",
             [*cli, "orchestrator", "-c", str(paths["orchestrator"])],
-            logs / "orchestrator.log",
-            env,
+            run.log_path("orchestrator"),
+            {**env, **placement.env("orchestrator")},
             False,
         ),
     ]
+    return [spec for spec in specs if spec.name in placement.run]
+
+
+def resolve_config(config: RLConfig, gpus: Sequence[int] | None = None) -> RLConfig:
+    """The config this node runs, to call before write_configs: the deployment placed on this node's GPUs (`gpus`;
+    None: detect them) and what depends on it filled in: launch.num_trainer_procs, inference.data_parallel_size,
+    inference.device / trainer.device, weights.transport ("auto"), model.dtype (bfloat16 on GPUs when unset).
+    Raises ConfigError (PlacementError) naming what to change."""
+    return config.rebuilt(placement_changes(config, place_config(config, gpus)))
+
+
+def place_config(config: RLConfig, gpus: Sequence[int] | None = None) -> Placement:
+    """Placement of `config` on the GPUs this node shows (`gpus`; None: detect them)."""
+    visible = detect_visible_gpus() if gpus is None else list(gpus)
+    return place(config, visible, model_attention_heads(str(config.model.path or config.model.name)))
+
+
+def placement_changes(config: RLConfig, placement: Placement) -> dict[str, Any]:
+    """Config values that follow from `placement` (a nested dict for RLConfig.rebuilt)."""
+    changes: dict[str, Any] = {
+        "launch": {"num_trainer_procs": placement.num_trainer_procs},
+        "inference": {"data_parallel_size": placement.data_parallel_size},
+        "trainer": {},
+        "weights": {"transport": placement.weights_transport},
+    }
+    for role, ids in (("inference", placement.inference_gpus), ("trainer", placement.trainer_gpus)):
+        if role in placement.run:
+            changes[role]["device"] = _device(role, getattr(config, role).device, bool(ids))
+    if (placement.inference_gpus or placement.trainer_gpus) and "dtype" not in config.model.model_fields_set:
+        changes["model"] = {"dtype": "bfloat16"}
+    return changes
+
+
+def _device(role: str, asked: str, on_gpu: bool) -> str:
+    placed = "cuda" if on_gpu else "cpu"
+    if asked not in ("auto", placed):
+        where = "gets GPUs" if on_gpu else "gets no GPU"
+        raise PlacementError(
+            f"{role}.device = {asked!r}, but the {role} {where} on this node; leave {role}.device unset, or change "
+            f"deployment.gpus / deployment.{role}_gpus"
+        )
+    return placed
+
+
+def model_attention_heads(name: str) -> int | None:
+    """num_attention_heads from the model's config.json when it is on this machine already (a model folder, an
+    imported alias, a hub id in the Hugging Face cache); None otherwise (vLLM then checks it when it starts)."""
+    path = _local_config_json(name)
+    if path is None:
+        return None
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # unreadable here: vLLM reports it, naming the file
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    heads = cfg.get("num_attention_heads", text.get("num_attention_heads"))
+    return heads if isinstance(heads, int) and heads > 0 else None
+
+
+def _local_config_json(name: str) -> Path | None:
+    from slipstream.models.hub import default_cache_dir
+
+    for folder in (Path(name).expanduser(), default_cache_dir() / "models" / name):
+        if (folder / "config.json").is_file():
+            return folder / "config.json"
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(name, "config.json")
+    except (ImportError, ValueError):  # no huggingface_hub, or not a hub id
+        return None
+    return Path(found) if isinstance(found, str) else None

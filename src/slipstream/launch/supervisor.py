@@ -2,7 +2,8 @@
 
 No orphans: every child leads its own session, so stopping a child signals its whole group; descendants
 that leave the group (torchrun starts its workers in new sessions) are tracked on every check and signalled
-too. Children also get SIGKILL if the launcher itself dies (PR_SET_PDEATHSIG).
+too. Children also get SIGKILL if the launcher itself dies (PR_SET_PDEATHSIG); their descendants end themselves
+then through the environment marker's watchdog (launch/watchdog.py).
 """
 
 import ctypes
@@ -40,8 +41,11 @@ class ChildFailed(RuntimeError):
 class Supervisor:
     """Owns the children of one run."""
 
-    def __init__(self, grace_s: float = 10.0):
+    def __init__(self, grace_s: float = 10.0, env: dict[str, str] | None = None):
         self.grace_s = grace_s
+        self.env = dict(env or {})
+        """Variables given to every child (e.g. the run's environment marker, rundir.launcher_env), under each
+        spec's own."""
         self.procs: dict[str, subprocess.Popen] = {}
         self.specs: dict[str, ProcessSpec] = {}
         self.descendants: dict[str, dict[int, float]] = {}
@@ -56,7 +60,7 @@ class Supervisor:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, **spec.env},
+                env={**os.environ, **self.env, **spec.env},
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )

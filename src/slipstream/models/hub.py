@@ -1,6 +1,8 @@
-"""Model acquisition: a small alias registry, GGUF -> plain float32 HF folder import, and `model.name` resolution.
+"""Model acquisition: a small alias registry, GGUF -> plain float32 HF folder import, Hugging Face Hub ids, and
+`model.name` resolution.
 
-Models live in `<cache>/models/<alias or gguf stem>`; every folder is built in a temp dir and renamed into place.
+Imported models live in `<cache>/models/<alias or gguf stem>`; every folder is built in a temp dir and renamed into
+place. Hub ids (`org/name`) are downloaded by huggingface_hub into its own cache (HF_HUB_CACHE) and read from there.
 """
 
 import json
@@ -14,8 +16,12 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 from slipstream.utils.fs import commit_dir
+
+if TYPE_CHECKING:
+    from slipstream.config.shared import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -228,19 +234,178 @@ def import_model(source: str, cache_dir: Path | None = None, force: bool = False
         return import_gguf(fetched, out_dir, require_chat_template=ALIASES[source].instruct)
 
 
-def resolve_model(name: str, cache_dir: Path | None = None) -> Path:
-    """A local HF model folder for `name`: an existing folder, a known alias (imported on first use),
-    or a name already imported into the cache (e.g. a GGUF file stem)."""
+ModelNameKind = Literal["folder", "alias", "imported", "hub_id"]
+"""What a `model.name` names: a local model folder, a known alias, a name imported into the model cache, or a
+Hugging Face Hub id."""
+
+_KIND_WORDS: dict[str, str] = {
+    "folder": "a local model folder",
+    "alias": "a built-in alias",
+    "imported": "a model imported into the slipstream cache",
+    "hub_id": "a Hugging Face Hub id",
+}
+
+HUB_IGNORE_PATTERNS = ("*.gguf", "*.onnx", "*.h5", "*.msgpack", "*.ot", "*.tflite", "original/*", "onnx/*")
+"""Repo files a hub download skips: formats neither transformers' safetensors loading nor vLLM read here (some repos
+also ship the weights as GGUF, ONNX, TF/Flax or Meta's original checkpoint, doubling the download)."""
+
+
+def is_hub_id(name: str) -> bool:
+    """True if `name` has the shape of a Hugging Face Hub model id, `org/name` (checked with huggingface_hub's rules)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if name.count("/") != 1:
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def classify_model_name(name: str, cache_dir: Path | None = None) -> ModelNameKind:
+    """What `name` names, tried in this order: an existing model folder (a folder wins over a hub id of the same
+    spelling), a built-in alias, a name imported into the cache, a hub id. Raises ValueError saying what was tried."""
     path = Path(name).expanduser()
     if _is_model_dir(path):
-        return path.resolve()
+        return "folder"
     if name in ALIASES:
+        return "alias"
+    if name and "/" not in name and _is_model_dir(_models_dir(cache_dir) / name):
+        return "imported"
+    if not path.is_dir() and is_hub_id(name):
+        return "hub_id"
+    raise ValueError(_unknown_name_message(name, path))
+
+
+def _unknown_name_message(name: str, path: Path) -> str:
+    """Why `name` names no model, told apart: a folder without config.json, a missing folder, an unknown alias."""
+    if path.is_dir():
+        return (
+            f"model.name '{name}' is neither a model folder nor a known alias (known: {_known()}) ('{name}' is a "
+            f"directory without config.json); give a folder holding a Hugging Face model (config.json, weights)"
+        )
+    if "/" in name or os.sep in name or name.startswith(("~", ".")):
+        return (
+            f"model.name '{name}' is not a model folder ({path.resolve()} does not exist) nor a Hugging Face Hub id "
+            f"(those look like org/name, e.g. Qwen/Qwen3-0.6B); fix the path or the id"
+        )
+    return (
+        f"model.name '{name}' is neither a model folder nor a known alias (known: {_known()}); "
+        f"run `slipstream model import <alias or file.gguf>`, or give a Hugging Face Hub id as org/name "
+        f"(e.g. Qwen/Qwen3-0.6B)"
+    )
+
+
+def resolve_model(
+    name: str, revision: str | None = None, cache_dir: Path | None = None, local_files_only: bool = False
+) -> Path:
+    """A local HF model folder for `name`: an existing folder, a known alias (imported on first use), a name already
+    imported into the cache (e.g. a GGUF file stem), or a Hugging Face Hub id at `revision` (downloaded on first use
+    unless `local_files_only` or HF_HUB_OFFLINE)."""
+    kind = classify_model_name(name, cache_dir)
+    if revision is not None and kind != "hub_id":
+        raise ValueError(
+            f"model.revision '{revision}' only applies to Hugging Face Hub ids, but model.name '{name}' is "
+            f"{_KIND_WORDS[kind]}; unset model.revision"
+        )
+    if kind == "folder":
+        return Path(name).expanduser().resolve()
+    if kind == "alias":
         return import_model(name, cache_dir=cache_dir)
-    cached = _models_dir(cache_dir) / name
-    if name and "/" not in name and _is_model_dir(cached):
-        return cached
-    hint = f" ('{name}' is a directory without config.json)" if path.is_dir() else ""
-    raise ValueError(
-        f"model.name '{name}' is neither a model folder nor a known alias (known: {_known()}){hint}; "
-        f"run `slipstream model import <alias or file.gguf>`"
+    if kind == "imported":
+        return _models_dir(cache_dir) / name
+    return resolve_hub_id(name, revision, local_files_only=local_files_only)
+
+
+def resolve_model_config(model: "ModelConfig", local_files_only: bool = False) -> Path:
+    """The folder to load `model` from: `model.path` when the launcher resolved it already (no second resolution,
+    no download), else `model.name` at `model.revision` resolved here."""
+    if model.path is None:
+        return resolve_model(model.name, model.revision, local_files_only=local_files_only)
+    if not _is_model_dir(model.path):
+        raise ValueError(
+            f"model.path {model.path} (the folder model.name '{model.name}' was resolved to) is not a model folder "
+            f"on this machine (no config.json); unset model.path to resolve model.name again"
+        )
+    return model.path
+
+
+def resolve_hub_id(repo_id: str, revision: str | None = None, local_files_only: bool = False) -> Path:
+    """The local snapshot folder of Hugging Face Hub model `repo_id` at `revision` (None: main), downloaded into the
+    Hugging Face cache unless it is there already. Honours HF_HUB_OFFLINE, HF_HUB_CACHE/HF_HOME and HF_TOKEN; hub
+    errors become ValueErrors saying what was tried and what to do."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    target = _hub_target(repo_id, revision)
+    _log(f"resolving Hugging Face Hub model {target} (cache {constants.HF_HUB_CACHE})")
+    try:
+        folder = Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                local_files_only=local_files_only,
+                ignore_patterns=list(HUB_IGNORE_PATTERNS),
+            )
+        )
+    except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
+        raise _hub_error(e, repo_id, revision, local_files_only) from e
+    if not _is_model_dir(folder):
+        raise ValueError(
+            f"Hugging Face Hub model {target} has no config.json (snapshot {folder}): it is not a transformers model "
+            f"repo (a GGUF-only repo? import its .gguf with `slipstream model import <file.gguf>`)"
+        )
+    _log(f"{target} -> {folder}")
+    return folder
+
+
+def _hub_target(repo_id: str, revision: str | None) -> str:
+    return f"'{repo_id}'" + (f" at revision '{revision}'" if revision is not None else "")
+
+
+def _download_command(repo_id: str, revision: str | None) -> str:
+    rev = f" --revision {revision}" if revision is not None else ""
+    return f"`hf download {repo_id}{rev}` (older huggingface_hub: `huggingface-cli download {repo_id}{rev}`)"
+
+
+def _hub_error(error: Exception, repo_id: str, revision: str | None, local_files_only: bool) -> ValueError:
+    """A ValueError for a huggingface_hub failure: what was tried, why it failed, and the fix."""
+    from huggingface_hub import constants, errors
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    incomplete = getattr(errors, "IncompleteSnapshotError", ())  # newer huggingface_hub only; () matches nothing
+    target, download = _hub_target(repo_id, revision), _download_command(repo_id, revision)
+    tried = f"tried Hugging Face Hub model {target} for model.name (no local folder '{repo_id}' exists)"
+    if isinstance(error, GatedRepoError):
+        fix = f"accept its terms at {constants.ENDPOINT}/{repo_id}, then set HF_TOKEN to a token of that account"
+        return ValueError(f"{tried}: the repo is gated and no token with access is set; {fix} (or `hf auth login`)")
+    if isinstance(error, RepositoryNotFoundError):
+        return ValueError(
+            f"{tried}: no such repo, or a private one this token cannot see; check the id (org/name, e.g. "
+            f"Qwen/Qwen3-0.6B), and for a private repo set HF_TOKEN (or `hf auth login`)"
+        )
+    if isinstance(error, RevisionNotFoundError):
+        return ValueError(
+            f"{tried}: the repo has no revision '{revision or 'main'}'; set model.revision to an existing "
+            f"branch, tag or commit hash (or unset it for main)"
+        )
+    if isinstance(error, incomplete):
+        return ValueError(f"{tried}: the cached snapshot is incomplete ({error}); complete it with {download}")
+    if isinstance(error, HfHubHTTPError):
+        status = error.response.status_code if error.response is not None else "?"
+        if status in (401, 403):
+            return ValueError(f"{tried}: the Hub refused access (HTTP {status}); set HF_TOKEN to a valid token")
+        return ValueError(f"{tried}: the Hub answered HTTP {status} ({error}); retry later, or use {download}")
+    if local_files_only or constants.HF_HUB_OFFLINE:
+        why = "local_files_only is set" if local_files_only else "HF_HUB_OFFLINE is set"
+        return ValueError(
+            f"{tried}: it is not in the Hugging Face cache {constants.HF_HUB_CACHE} and downloads are off ({why}); "
+            f"download it once with network access: {download}, or unset HF_HUB_OFFLINE to let slipstream download it"
+        )
+    return ValueError(
+        f"{tried}: could not reach the Hub at {constants.ENDPOINT} and it is not in the Hugging Face cache "
+        f"{constants.HF_HUB_CACHE} ({error}); check the network (or HF_ENDPOINT), or run {download} where there is "
+        f"network and copy the cache (HF_HUB_CACHE) here"
     )

@@ -3,13 +3,14 @@
 
 from pathlib import Path
 
-from slipstream.monitor.plots import ONLINE_EVAL_FILE, read_jsonl
+from slipstream.monitor.plots import read_jsonl
+from slipstream.rundir import RunDir
 
 
 def heldout_lines(output_dir: Path) -> list[str]:
     """A detail line and `heldout_reward: before <x> after <y>` (policy 0 vs the last evaluated policy); none when
     the run has no online evaluation of policy 0 and of a later one."""
-    records = read_jsonl(Path(output_dir) / ONLINE_EVAL_FILE)
+    records = read_jsonl(RunDir(output_dir).online_eval_path)
     before = next((r for r in records if r.get("step") == 0), None)
     after = max(records, key=lambda r: r.get("step", -1), default=None)
     if before is None or after is None or after["step"] == 0:

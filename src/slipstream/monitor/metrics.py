@@ -6,9 +6,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from slipstream.rundir import RunDir
 from slipstream.utils.fs import append_line
 
-METRICS_FILE = "metrics.jsonl"
 REWARD_MEAN_KEY = "reward/mean"
 """Orchestrator metric shown as the reward in the progress line (with REWARD_STD_KEY)."""
 REWARD_STD_KEY = "reward/std"
@@ -17,8 +17,8 @@ REWARD_STD_KEY = "reward/std"
 class MetricsWriter:
     """Appends `{"step", "time", **metrics}` as one JSON line per step (a single atomic append)."""
 
-    def __init__(self, output_dir: Path, file_name: str = METRICS_FILE) -> None:
-        self.path = Path(output_dir) / file_name
+    def __init__(self, output_dir: Path) -> None:
+        self.path = RunDir(output_dir).metrics_path
 
     def write(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Append the record and return it. Keys `step` and `time` are reserved."""
@@ -40,9 +40,9 @@ def merge_metrics(orchestrator: dict[str, Any], trainer: dict[str, Any]) -> dict
     return {**orchestrator, **trainer}
 
 
-def read_metrics(output_dir: Path, file_name: str = METRICS_FILE) -> list[dict[str, Any]]:
+def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
     """All records written so far (empty if none)."""
-    path = Path(output_dir) / file_name
+    path = RunDir(output_dir).metrics_path
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

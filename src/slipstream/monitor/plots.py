@@ -12,15 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slipstream.monitor.metrics import METRICS_FILE, read_metrics
-from slipstream.orchestrator.weights import WEIGHT_CHECKS_FILE
+from slipstream.monitor.metrics import read_metrics
+from slipstream.rundir import METRICS_FILE, RunDir
 from slipstream.utils.fs import atomic_write_bytes
-
-PLOTS_DIR = "plots"
-EVAL_DIR = "eval"
-"""`slipstream eval` of a run's step writes `<run>/eval/step_<N>.json`."""
-ONLINE_EVAL_FILE = Path(EVAL_DIR) / "online.jsonl"
-"""Online evaluations during training (orchestrator/online_eval.py), one line each: `step` = evaluated version."""
 
 
 @dataclass
@@ -76,7 +70,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def read_eval_results(output_dir: Path) -> list[dict[str, Any]]:
     """`slipstream eval` results of the run's steps (`eval/step_N.json`), by step."""
     results = []
-    for path in sorted(Path(output_dir, EVAL_DIR).glob("step_*.json")):
+    for path in sorted(RunDir(output_dir).eval_dir.glob("step_*.json")):
         try:
             result = json.loads(path.read_text())
         except json.JSONDecodeError as e:
@@ -162,14 +156,16 @@ def draw_panel(ax: Any, panel: Panel) -> None:
 
 def write_plots(output_dir: Path) -> list[Path]:
     """Write `output_dir/plots/<panel>.png` for every panel with data, plus `overview.png`; return the paths."""
-    output_dir = Path(output_dir)
+    output_dir, run = Path(output_dir), RunDir(output_dir)
     metrics = read_metrics(output_dir)
     evals = read_eval_results(output_dir)
     if not metrics and not evals:
-        raise FileNotFoundError(f"{output_dir} has no {METRICS_FILE} records and no {EVAL_DIR}/step_N.json results")
-    online = read_jsonl(output_dir / ONLINE_EVAL_FILE)
-    panels = build_panels(metrics, read_jsonl(output_dir / WEIGHT_CHECKS_FILE), evals, online)
-    plots_dir = output_dir / PLOTS_DIR
+        raise FileNotFoundError(
+            f"{output_dir} has no {METRICS_FILE} records and no {run.eval_dir.name}/step_N.json results"
+        )
+    online = read_jsonl(run.online_eval_path)
+    panels = build_panels(metrics, read_jsonl(run.weight_checks_path), evals, online)
+    plots_dir = run.plots_dir
     paths = []
     for panel in panels:
         fig, axes = _figure(1, 1, (6.4, 4.0))

@@ -1,7 +1,8 @@
 """HTTP client of the vLLM server: health, chat rollouts (streamed or whole), prompt scoring, /metrics and the
-dev-mode weight-update calls.
+weight updates through vLLM's weight-transfer API.
 
-Weight updates need the server started with VLLM_SERVER_DEV_MODE=1 (`/pause`, `/collective_rpc`, ...).
+Weight updates need the server started with VLLM_SERVER_DEV_MODE=1 (`/pause`, the weight-transfer routes, ...)
+and `--weight-transfer-config '{"backend": "slipstream"}'` (inference/transfer_engine.py).
 Cancelling a streamed request closes its connection, and vLLM aborts a request whose client disconnected.
 
 Losing the server (connection refused or dropped, HTTP 5xx, or a reply from another start of the server than the
@@ -22,9 +23,6 @@ import httpx
 
 from slipstream.inference.admin_token import admin_headers
 from slipstream.inference.instance import INSTANCE_HEADER
-
-LOAD_WEIGHTS_METHOD = "slipstream_load_weights"
-"""Worker-extension method that loads a published `weights/step_N` directory in place."""
 
 
 class InferenceError(RuntimeError):
@@ -63,8 +61,8 @@ def request_error(where: str, status: int, text: str) -> InferenceError:
 class WeightLoad:
     """Outcome of one in-place weight load."""
 
-    results: list[Any]
-    """The worker extension's results, one per worker."""
+    seconds: float
+    """Wall time from the pause to the resume."""
     prefix_cache_reset: bool
     """Whether /reset_prefix_cache freed the cache. vLLM refuses while requests hold blocks (always the case
     with requests in flight); correctness does not depend on it, new requests carry a per-version cache_salt."""
@@ -255,29 +253,55 @@ class InferenceClient:
         reply = await self.post("/v1/completions", json=body)
         return parse_prompt_logprobs(reply, token_ids, f"{self.base_url}/v1/completions")
 
-    async def load_weights(self, weights_path: str, before_resume: Callable[[], None] | None = None) -> WeightLoad:
-        """Pause keeping in-flight requests (their decode freezes), load `weights_path` on every worker, drop the
-        prefix cache, call `before_resume` (it runs only if the load succeeded), resume.
+    async def get_world_size(self) -> int:
+        """Inference workers of the server across data-parallel replicas (vLLM's /get_world_size)."""
+        where, expected = f"GET {self.base_url}/get_world_size", self.instance
+        try:
+            response = await self._http.get("/get_world_size", params={"include_dp": "true"})
+        except _UNREACHABLE as e:
+            raise self._unavailable(f"{where} failed: {type(e).__name__}: {e}") from e
+        self._check_instance(response, expected, where)
+        if response.status_code >= 500:
+            raise self._unavailable(f"{where} returned HTTP {response.status_code}: {response.text[:500]}")
+        if response.status_code != 200:
+            raise InferenceError(f"{where} returned HTTP {response.status_code}: {response.text[:500]}")
+        return int(response.json()["world_size"])
+
+    async def load_weights(
+        self,
+        version: int,
+        update_info: dict[str, Any],
+        init_info: dict[str, Any] | None = None,
+        on_paused: Callable[[], None] | None = None,
+        before_resume: Callable[[], None] | None = None,
+    ) -> WeightLoad:
+        """Load weight version `version` through vLLM's weight-transfer API, with in-flight requests frozen:
+        /pause (keep), `on_paused`, /init_weight_transfer_engine (when `init_info`: a new transfer session),
+        /start_weight_update, /update_weights (`update_info`: a folder or a broadcast's manifest),
+        /finish_weight_update (weight version), /reset_prefix_cache, `before_resume` (only if all succeeded), /resume.
 
         `clear_cache=false`: vLLM 0.32 would otherwise preempt every running request at the pause (its cache
         reset moves them to the waiting queue) and recompute their KV at resume, a restart of their prefill that
         also counts as preemptions. With it, in-flight requests keep their KV and continue where they were.
         """
+        start = time.perf_counter()
         await self.post("/pause", params={"mode": "keep", "clear_cache": "false"})
         try:
-            reply = await self.post("/collective_rpc", json={"method": LOAD_WEIGHTS_METHOD, "args": [weights_path]})
-            results = (reply or {}).get("results")
-            if not results:
-                raise InferenceError(
-                    f"/collective_rpc {LOAD_WEIGHTS_METHOD}({weights_path}) returned no worker results: {reply!r}; "
-                    "is the server started with Slipstream's worker extension?"
-                )
+            if on_paused is not None:
+                on_paused()
+            if init_info is not None:
+                await self.post("/init_weight_transfer_engine", json={"init_info": init_info})
+            await self.post("/start_weight_update")
+            await self.post("/update_weights", json={"update_info": update_info})
+            await self.post("/finish_weight_update", json={"weight_version": str(version)})
             reset = await self.post("/reset_prefix_cache")
             if before_resume is not None:
                 before_resume()
         finally:
             await self.post("/resume")
-        return WeightLoad(results=results, prefix_cache_reset=bool((reset or {}).get("success", False)))
+        return WeightLoad(
+            seconds=time.perf_counter() - start, prefix_cache_reset=bool((reset or {}).get("success", False))
+        )
 
 
 class _ServerErrorChunk(InferenceError):

@@ -7,7 +7,6 @@ At checkpoint steps it saves its state before writing the batch (state.py); a re
 
 import asyncio
 from itertools import groupby
-from pathlib import Path
 
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.envs.registry import build_env
@@ -20,8 +19,9 @@ from slipstream.orchestrator.rollouts import Rollout
 from slipstream.orchestrator.sampler import TaskSampler
 from slipstream.orchestrator.state import load_state, save_state
 from slipstream.orchestrator.weights import WeightRelay
-from slipstream.transport.checkpoints import is_checkpoint_step, resolve_run_step, step_dirs
-from slipstream.transport.weights import is_ready, weights_dir
+from slipstream.rundir import RunDir, step_dirs
+from slipstream.transport.checkpoints import is_checkpoint_step, resolve_run_step
+from slipstream.transport.weights import is_ready
 
 
 def run_orchestrator(config: OrchestratorConfig) -> None:
@@ -63,21 +63,22 @@ async def orchestrate(config: OrchestratorConfig) -> dict[str, float]:
 async def maybe_resume(pipeline: RolloutPipeline, relay: WeightRelay, config: OrchestratorConfig) -> int:
     """Restore the state of the checkpoint `config.resume_step` selects and serve that step's weights before any
     rollout starts (a fresh inference server serves the initial ones); return the last step already trained."""
+    run = RunDir(config.output_dir)
     step = resolve_run_step(config.output_dir, config.resume_step, "orchestrator.resume_step")
     if step is None:
         if config.resume_step is not None:
-            print(f"[orchestrator] no committed checkpoint in {config.output_dir}/checkpoints; starting at step 0")
+            print(f"[orchestrator] no committed checkpoint in {run.checkpoints_root}; starting at step 0")
         return 0
-    later = [s for s in step_dirs(Path(config.output_dir) / "rollouts") if s > step]
+    later = [s for s in step_dirs(run.rollouts_root) if s > step]
     if later:
         raise RuntimeError(
-            f"{config.output_dir}/rollouts holds batches of steps {later}, after the step resumed from ({step}); the "
+            f"{run.rollouts_root} holds batches of steps {later}, after the step resumed from ({step}); the "
             "trainer could train them instead of the regenerated ones. Resume with `slipstream rl --resume`, which "
             "removes them first"
         )
     if not is_ready(config.output_dir, step):
         raise FileNotFoundError(
-            f"{weights_dir(config.output_dir, step)} (with its READY marker) is missing, so inference cannot serve the "
+            f"{run.weights_dir(step)} (with its READY marker) is missing, so inference cannot serve the "
             f"policy of step {step}; resume from another committed step"
         )
     state = load_state(config.output_dir, step, config.seed, config.env.name, pipeline.sampler.tasks_per_step)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 
-from slipstream.transport.checkpoints import COMMITTED, ORCHESTRATOR_PART, part_dir, step_dir
+from slipstream.rundir import COMMITTED, ORCHESTRATOR_PART, RunDir
 from slipstream.utils.fs import atomic_write_bytes, atomic_write_text, commit_dir
 
 STATE_FORMAT_VERSION = 1
@@ -42,8 +42,9 @@ class OrchestratorState(msgspec.Struct, frozen=True):
 
 def save_state(output_dir: Path, state: OrchestratorState) -> Path:
     """Write and commit `checkpoints/step_N/orchestrator/` (state + COMMITTED, renamed into place)."""
-    final_dir = part_dir(output_dir, state.step, ORCHESTRATOR_PART)
-    tmp_dir = step_dir(output_dir, state.step) / f".{ORCHESTRATOR_PART}.tmp"
+    run = RunDir(output_dir)
+    final_dir = run.checkpoint_part_dir(state.step, ORCHESTRATOR_PART)
+    tmp_dir = run.checkpoint_part_tmp_dir(state.step, ORCHESTRATOR_PART)
     if tmp_dir.exists():
         shutil.rmtree(tmp_dir)  # left by an orchestrator that died while checkpointing
     atomic_write_bytes(tmp_dir / STATE_FILE, msgspec.json.format(msgspec.json.encode(state)) + b"\n")
@@ -54,7 +55,7 @@ def save_state(output_dir: Path, state: OrchestratorState) -> Path:
 
 def load_state(output_dir: Path, step: int, seed: int, env_name: str, tasks_per_step: int) -> OrchestratorState:
     """Read the committed state of `step`; raise naming the field when the run's config does not match it."""
-    path = part_dir(output_dir, step, ORCHESTRATOR_PART) / STATE_FILE
+    path = RunDir(output_dir).checkpoint_part_dir(step, ORCHESTRATOR_PART) / STATE_FILE
     try:
         state = msgspec.json.decode(path.read_bytes(), type=OrchestratorState)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -72,6 +73,6 @@ def load_state(output_dir: Path, step: int, seed: int, env_name: str, tasks_per_
         if saved != now:
             raise ValueError(
                 f"{path} was written with {field} = {saved!r} but this run has {now!r}; resume with the config of the "
-                f"original run ({Path(output_dir) / 'config' / 'rl.toml'})"
+                f"original run ({RunDir(output_dir).config_path('rl')})"
             )
     return state

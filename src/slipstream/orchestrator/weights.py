@@ -25,10 +25,12 @@ import numpy as np
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.orchestrator.client import InferenceClient, InferenceUnavailable
 from slipstream.orchestrator.rollouts import cache_salt
-from slipstream.transport.weights import PROBE, latest_ready_step, read_probe, wait_for_weights, weights_dir
+from slipstream.orchestrator.weight_loads import WeightLoader
+from slipstream.rundir import RunDir, prune_weights, step_dirs, weights_to_keep
+from slipstream.transport.checkpoints import committed_run_steps, resume_weight_steps
+from slipstream.transport.weight_offers import latest_available_step, wait_for_available
+from slipstream.transport.weights import is_ready, read_probe
 from slipstream.utils.fs import append_line
-
-WEIGHT_CHECKS_FILE = "weight_checks.jsonl"
 
 
 class WeightSyncError(RuntimeError):
@@ -48,6 +50,7 @@ class WeightRelay:
         self.config = config
         self.output_dir = Path(config.output_dir).resolve()
         self.served_version = served_version
+        self.loader = WeightLoader(client, self.output_dir, config.weights)
         self.updating = False
         self.on_change: Callable[[], None] = lambda: None
         self.pending_metrics: dict[str, float] = {}
@@ -79,18 +82,18 @@ class WeightRelay:
             if not self.client.available:
                 await self._recover_unless_stopped()
                 continue
-            newest = await asyncio.to_thread(latest_ready_step, self.output_dir)
+            newest = await asyncio.to_thread(latest_available_step, self.output_dir)
             if self._stop.is_set():
                 break
             if newest is not None and newest > self.served_version:
                 if newest > num_batches():
                     raise RuntimeError(
-                        f"{weights_dir(self.output_dir, newest)} exists though only {num_batches()} batches were "
+                        f"{RunDir(self.output_dir).weights_dir(newest)} exists though only {num_batches()} batches were "
                         f"written: {self.output_dir} holds weights of another run; use a fresh output_dir"
                     )
                 if self._num_holds:  # an evaluation holds the policy: load what is newest once it ends
                     await self._wait_unheld()
-                    newest = await asyncio.to_thread(latest_ready_step, self.output_dir)
+                    newest = await asyncio.to_thread(latest_available_step, self.output_dir)
                 try:
                     await self.update(newest)
                 except InferenceUnavailable:
@@ -162,12 +165,17 @@ class WeightRelay:
         self.on_change()
 
     async def _reload_served(self) -> float | None:
-        """Load and verify the served version on a (possibly restarted) server; version 0 is the model it starts
-        with (nothing to load, no trainer probe to verify it with)."""
+        """Re-establish the served policy on a (possibly restarted) server and verify it. Version 0 is the model it
+        starts with (nothing to load, no trainer probe to verify it with). A version that is not on disk (it came by
+        broadcast) is gone with the server: the next version the trainer offers is loaded instead."""
         version = self.served_version
         if version == 0:
             return None
-        await self.client.load_weights(str(weights_dir(self.output_dir, version)))  # admin calls are not held back
+        if not is_ready(self.output_dir, version):
+            version = await asyncio.to_thread(
+                wait_for_available, self.output_dir, version + 1, self.config.weights_timeout_s
+            )
+        await self.loader.load(version, before_resume=lambda: self._serve(version))  # admin calls are not held back
         return await self._verify(version, after_restart=True)
 
     @asynccontextmanager
@@ -207,9 +215,7 @@ class WeightRelay:
             self.updating = True
             self.on_change()
             try:
-                load = await self.client.load_weights(
-                    str(weights_dir(self.output_dir, version)), before_resume=lambda: self._serve(version)
-                )
+                load = await self.loader.load(version, before_resume=lambda: self._serve(version))
                 check = await self._verify(version)
             finally:
                 self.updating = False
@@ -220,6 +226,19 @@ class WeightRelay:
         m["weights/prefix_cache_reset"] = min(m.get("weights/prefix_cache_reset", 1.0), float(load.prefix_cache_reset))
         if check is not None:
             m["weight_sync/max_abs_diff"] = max(m.get("weight_sync/max_abs_diff", 0.0), check)
+        pruned = await asyncio.to_thread(self.prune)
+        m["weights/num_pruned"] = m.get("weights/num_pruned", 0.0) + len(pruned)
+
+    def prune(self) -> list[int]:
+        """Delete published weights nothing needs any more (see rundir.weights_to_keep): older than the served
+        version, not kept for resume (checkpoint steps), nor among the `weights.keep_weights` newest."""
+        run, c = RunDir(self.output_dir), self.config
+        published = sorted(step_dirs(run.weights_root))
+        for_resume = resume_weight_steps(
+            committed_run_steps(self.output_dir), published, c.checkpoint.interval, c.max_steps
+        )
+        keep = weights_to_keep(published, self.served_version, set(), set(), for_resume, c.weights.keep_weights)
+        return prune_weights(run, keep)
 
     def _serve(self, version: int) -> None:
         self.served_version = version
@@ -230,18 +249,20 @@ class WeightRelay:
         return metrics
 
     async def load_final(self, final_step: int) -> None:
-        """After the last batch: wait for the trainer's final weights and serve (and verify) them, so the run
-        ends with inference serving the trained policy."""
-        if self.served_version < final_step:
-            await asyncio.to_thread(wait_for_weights, self.output_dir, final_step, self.config.weights_timeout_s)
+        """After the last batch: serve (and verify) every version the trainer still publishes up to its final one,
+        so the run ends with inference serving the trained policy. Versions offered by broadcast are taken in turn:
+        the trainer waits for each before it publishes the next."""
         while True:
             await self.ensure_available()
             if self.served_version >= final_step:
                 return
+            newest = await asyncio.to_thread(
+                wait_for_available, self.output_dir, self.served_version + 1, self.config.weights_timeout_s
+            )
             try:
-                await self.update(final_step)
+                await self.update(newest)
             except InferenceUnavailable:
-                continue  # recover, then load it again
+                continue  # recover, then load again
 
     async def _verify(self, version: int, after_restart: bool = False) -> float | None:
         """Check the load if `weight_check.enabled`; return the probe's max |diff| (None when disabled)."""
@@ -254,7 +275,7 @@ class WeightRelay:
                 f"weight update to step {version} did not take effect on inference (policy frozen or corrupted): "
                 f"probe log-probs differ by max {check['max_abs_diff']:.3g} (mean {check['mean_abs_diff']:.3g}) "
                 f"over {check['num_tokens']} tokens, allowed {self.config.weight_check_tolerance:.3g} "
-                f"(orchestrator.weight_check.max_abs_diff); details in {self.output_dir / WEIGHT_CHECKS_FILE}"
+                f"(orchestrator.weight_check.max_abs_diff); details in {RunDir(self.output_dir).weight_checks_path}"
             )
             if self.config.weight_check.stop_on_failure:
                 raise WeightSyncError(message)
@@ -267,7 +288,7 @@ async def verify_weights(
 ) -> dict:
     """Score the trainer's probe of `step` on inference, append the comparison to weight_checks.jsonl, return it.
     `after_restart`: the check of a reload after inference was lost (recorded in the line)."""
-    probe_path = weights_dir(output_dir, step) / PROBE
+    probe_path = RunDir(output_dir).probe_path(step)
     if not probe_path.exists():
         raise FileNotFoundError(
             f"{probe_path} is missing, so the weight update cannot be verified; "
@@ -288,5 +309,5 @@ async def verify_weights(
         "after_restart": after_restart,
         "inference_logprobs": got,
     }
-    append_line(Path(output_dir) / WEIGHT_CHECKS_FILE, json.dumps(check))
+    append_line(RunDir(output_dir).weight_checks_path, json.dumps(check))
     return check

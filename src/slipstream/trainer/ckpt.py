@@ -8,7 +8,6 @@ All ranks must see output_dir on one shared filesystem.
 """
 
 import json
-import re
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -23,13 +22,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from slipstream.parallel.dist import RankInfo, barrier
+from slipstream.rundir import COMMITTED, TRAINER_PART, RunDir, step_dirs
 from slipstream.transport.checkpoints import committed_run_steps
 from slipstream.utils.fs import atomic_write_text, commit_dir
 
 CKPT_FORMAT_VERSION = 1
-COMMITTED = "COMMITTED"
 PROGRESS = "progress.json"
-_STEP_RE = re.compile(r"^step_(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -42,15 +40,12 @@ class CheckpointMeta:
 
 
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
-    return Path(output_dir) / "checkpoints" / f"step_{step}" / "trainer"
+    return RunDir(output_dir).checkpoint_part_dir(step, TRAINER_PART)
 
 
 def committed_steps(output_dir: Path) -> list[int]:
     """Steps with a committed trainer checkpoint, ascending."""
-    root = Path(output_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    steps = (int(m.group(1)) for p in root.iterdir() if (m := _STEP_RE.match(p.name)))
+    steps = step_dirs(RunDir(output_dir).checkpoints_root)
     return sorted(s for s in steps if (checkpoint_dir(output_dir, s) / COMMITTED).is_file())
 
 
@@ -62,7 +57,8 @@ def resolve_resume_step(output_dir: Path, resume_step: int | str | None, whole_r
     steps = committed_run_steps(output_dir) if whole_run else committed_steps(output_dir)
     if resume_step == "latest":
         if not steps:
-            print(f"resume_step = 'latest': no committed checkpoint under {output_dir}/checkpoints; starting at step 0")
+            root = RunDir(output_dir).checkpoints_root
+            print(f"resume_step = 'latest': no committed checkpoint under {root}; starting at step 0")
         return steps[-1] if steps else None
     if resume_step not in steps:
         raise FileNotFoundError(
@@ -77,7 +73,7 @@ def save_checkpoint(
 ) -> Path:
     """Collective: write and commit the checkpoint of `meta.step`; returns its folder."""
     final_dir = checkpoint_dir(output_dir, meta.step)
-    tmp_dir = final_dir.parent / ".trainer.tmp"
+    tmp_dir = RunDir(output_dir).checkpoint_part_tmp_dir(meta.step, TRAINER_PART)
     if info.is_main:
         if tmp_dir.exists():
             shutil.rmtree(tmp_dir)  # left by a run that died while checkpointing

@@ -8,9 +8,9 @@ from slipstream.monitor.metrics import MetricsWriter, format_progress, merge_met
 from slipstream.parallel.dist import barrier
 from slipstream.trainer.ckpt import committed_steps, save_checkpoint
 from slipstream.trainer.data import validate_batch
+from slipstream.trainer.publish import WeightPublisher
 from slipstream.trainer.setup import Trainer, setup_trainer, teardown_trainer
 from slipstream.trainer.step import train_step
-from slipstream.trainer.weights import build_published_model, gather_full_state_dict, publish_weights
 from slipstream.transport.checkpoints import (
     ORCHESTRATOR_PART,
     commit_step,
@@ -27,6 +27,7 @@ __all__ = ["run_trainer", "setup_trainer"]
 def run_trainer(config: TrainerConfig) -> None:
     """Train steps start_step + 1 .. max_steps; step N's weights are published as policy version N (by rank 0)."""
     trainer = setup_trainer(config)
+    publisher = WeightPublisher(trainer, config)
     try:
         writer = MetricsWriter(config.output_dir) if trainer.info.is_main else None
         nonfinite = NonFiniteGuard(config.max_nonfinite_steps)
@@ -46,7 +47,7 @@ def run_trainer(config: TrainerConfig) -> None:
             )
             t_train = time.perf_counter()
             metrics["nonfinite/total"] = nonfinite.update(step, bool(metrics["nonfinite/skipped"]))
-            publish_step_weights(trainer, config, step)
+            metrics |= publisher.publish(step)
             t_publish = time.perf_counter()
             if writer is not None:
                 metrics |= {
@@ -62,6 +63,7 @@ def run_trainer(config: TrainerConfig) -> None:
             maybe_checkpoint(trainer, config, step)
         barrier()
     finally:
+        publisher.close()
         teardown_trainer(trainer)
 
 
@@ -85,28 +87,6 @@ class NonFiniteGuard:
                 "(advantages, inference_logprobs) for inf/nan"
             )
         return self.total
-
-
-def publish_step_weights(trainer: Trainer, config: TrainerConfig, step: int) -> None:
-    """Publish the weights after `step`. With several ranks every rank takes part in gathering the full state dict,
-    and rank 0 rebuilds a whole model from it and publishes."""
-    model = trainer.model
-    if trainer.world_size > 1:
-        state_dict = gather_full_state_dict(trainer.policy)
-        if not trainer.info.is_main:
-            return
-        model = build_published_model(
-            state_dict, trainer.hf_config, trainer.impl, trainer.compute_dtype, trainer.device
-        )
-    publish_weights(
-        model,
-        trainer.tokenizer,
-        config.output_dir,
-        step,
-        trainer.probe_token_ids,
-        dtype=trainer.compute_dtype,
-        source_dir=trainer.model_dir,
-    )
 
 
 def maybe_checkpoint(trainer: Trainer, config: TrainerConfig, step: int) -> None:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from slipstream.config.shared import ModelConfig
 from slipstream.config.trainer import TrainerConfig
 from slipstream.models.common.moe import find_grouped_experts
 from slipstream.parallel.cp import ContextParallel
@@ -87,7 +88,7 @@ def setup_trainer(config: TrainerConfig) -> Trainer:
     owns_process_group = init_distributed(info, device)
     hf_logging.disable_progress_bar()
 
-    model_dir = resolve_model_once(config.model.name, info)
+    model_dir = resolve_model_once(config.model, info)
     model, impl = load_model(model_dir, config.model_impl)
     check_parallel_fits_model(dims, model, impl)
     compute_dtype = DTYPES[config.model.dtype]
@@ -184,13 +185,14 @@ def teardown_trainer(trainer: Trainer) -> None:
         dist.destroy_process_group()
 
 
-def resolve_model_once(name: str, info: RankInfo) -> Path:
-    """The model folder for `name`; rank 0 resolves first, so an alias is imported into the cache only once."""
-    from slipstream.models.hub import resolve_model
+def resolve_model_once(model: ModelConfig, info: RankInfo) -> Path:
+    """The folder of `model`: `model.path` when the launcher resolved it; else rank 0 resolves first (an alias is
+    imported, a hub id downloaded, only once) and the other ranks then read it from the cache without downloading."""
+    from slipstream.models.hub import resolve_model_config
 
-    path = resolve_model(name) if info.is_main else None
+    path = resolve_model_config(model) if info.is_main else None
     barrier()
-    return path if path is not None else resolve_model(name)
+    return path if path is not None else resolve_model_config(model, local_files_only=True)
 
 
 def select_device(device: str) -> torch.device:

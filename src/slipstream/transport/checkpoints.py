@@ -12,17 +12,23 @@ A crash anywhere before 3 leaves step N uncommitted: resume ignores it and delet
 """
 
 import json
-import re
 import shutil
 from pathlib import Path
 
-from slipstream.utils.fs import atomic_write_text, fsync_dir
+from slipstream.rundir import (
+    COMMITTED,
+    METRICS_FILE,
+    ONLINE_EVAL_FILE,
+    ORCHESTRATOR_PART,
+    TRAINER_PART,
+    WEIGHT_CHECKS_FILE,
+    RunDir,
+    remove_tree,
+    step_dirs,
+)
+from slipstream.utils.fs import atomic_write_text
 
-COMMITTED = "COMMITTED"
-TRAINER_PART = "trainer"
-ORCHESTRATOR_PART = "orchestrator"
-_STEP_RE = re.compile(r"^step_(\d+)$")
-STEP_LOGS = {"metrics.jsonl": 0, "weight_checks.jsonl": -1, "eval/online.jsonl": -1}
+STEP_LOGS = {METRICS_FILE: 0, WEIGHT_CHECKS_FILE: -1, ONLINE_EVAL_FILE: -1}
 """JSON-lines files with one record per step or policy version (key `step`) -> offset: at resume from step K the
 records of steps <= K + offset are kept. A resumed orchestrator loads (and verifies) the policy of step K again, and
 its online evaluation starts with it, so their old records of K go too."""
@@ -33,28 +39,30 @@ def is_checkpoint_step(step: int, interval: int | None, max_steps: int) -> bool:
     return interval is not None and (step % interval == 0 or step == max_steps)
 
 
+def resume_weight_steps(committed: list[int], published: list[int], interval: int | None, max_steps: int) -> set[int]:
+    """Published weight steps a resume may need (inference is given the resumed step's weights): the committed
+    checkpoints, and checkpoint steps newer than the newest committed one (their commit may still come)."""
+    newest = max(committed, default=0)
+    later = {s for s in published if s > newest and is_checkpoint_step(s, interval, max_steps)}
+    return set(committed) | later
+
+
 def step_dir(output_dir: Path, step: int) -> Path:
-    return Path(output_dir) / "checkpoints" / f"step_{step}"
+    return RunDir(output_dir).checkpoint_dir(step)
 
 
 def part_dir(output_dir: Path, step: int, part: str) -> Path:
-    return step_dir(output_dir, step) / part
-
-
-def step_dirs(root: Path) -> dict[int, Path]:
-    if not root.is_dir():
-        return {}
-    return {int(m.group(1)): p for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()}
+    return RunDir(output_dir).checkpoint_part_dir(step, part)
 
 
 def checkpoint_steps(output_dir: Path) -> list[int]:
     """Steps with a checkpoint folder (committed or not), ascending."""
-    return sorted(step_dirs(Path(output_dir) / "checkpoints"))
+    return sorted(step_dirs(RunDir(output_dir).checkpoints_root))
 
 
 def committed_run_steps(output_dir: Path) -> list[int]:
     """Steps whose whole-run checkpoint is committed (`step_N/COMMITTED`), ascending."""
-    return [s for s in checkpoint_steps(output_dir) if (step_dir(output_dir, s) / COMMITTED).is_file()]
+    return RunDir(output_dir).committed_checkpoint_steps()
 
 
 def is_part_committed(output_dir: Path, step: int, part: str) -> bool:
@@ -70,7 +78,7 @@ def commit_step(output_dir: Path, step: int) -> Path:
             "committed. The orchestrator writes its part before the step's batch, so both processes must use the "
             "same checkpoint.interval and max_steps (set them once at the top level of `slipstream rl`)"
         )
-    marker = step_dir(output_dir, step) / COMMITTED
+    marker = RunDir(output_dir).checkpoint_marker(step)
     atomic_write_text(marker, f"{step}\n")
     return marker
 
@@ -117,26 +125,16 @@ def prune_checkpoints(
     return doomed
 
 
-def remove_tree(path: Path) -> None:
-    """Delete a folder so that no half-deleted copy is ever seen under its name: rename it away first."""
-    doomed = path.with_name(f".deleting_{path.name}")
-    if doomed.exists():
-        shutil.rmtree(doomed)
-    path.rename(doomed)
-    fsync_dir(path.parent)
-    shutil.rmtree(doomed)
-
-
 def prepare_resume(output_dir: Path, step: int) -> list[str]:
     """Make the run directory look as it did right after step `step` was committed (0: before any step): delete
     rollouts, weights and checkpoints of later steps (and uncommitted checkpoints), drop later records from the
     per-step logs (STEP_LOGS). Run while no process of the run is alive. Returns a description of what was removed."""
-    out = Path(output_dir)
+    run = RunDir(output_dir)
     removed: list[str] = []
-    for plane in ("rollouts", "weights", "checkpoints"):
-        root = out / plane
+    for root in (run.rollouts_root, run.weights_root, run.checkpoints_root):
+        plane = root.name
         for s, path in sorted(step_dirs(root).items()):
-            uncommitted = plane == "checkpoints" and not (path / COMMITTED).is_file()
+            uncommitted = root == run.checkpoints_root and not (path / COMMITTED).is_file()
             if s > step or uncommitted:
                 remove_tree(path)
                 removed.append(f"{plane}/{path.name}")
@@ -146,7 +144,7 @@ def prepare_resume(output_dir: Path, step: int) -> list[str]:
                     shutil.rmtree(path)
                     removed.append(f"{plane}/{path.name}")
     for name, offset in STEP_LOGS.items():
-        dropped = truncate_step_log(out / name, step + offset)
+        dropped = truncate_step_log(run.root / name, step + offset)
         if dropped:
             removed.append(f"{dropped} record(s) of {name}")
     return removed

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import msgspec
 
+from slipstream.rundir import RunDir
 from slipstream.utils.fs import atomic_write_bytes
 
 BATCH_FORMAT_VERSION = 1
@@ -49,7 +50,7 @@ class BatchFormatError(ValueError):
 
 
 def batch_path(output_dir: Path, step: int, rank: int) -> Path:
-    return Path(output_dir) / "rollouts" / f"step_{step}" / f"rank_{rank}.msgpack"
+    return RunDir(output_dir).batch_path(step, rank)
 
 
 def write_batch(output_dir: Path, batch: TrainingBatch) -> Path:

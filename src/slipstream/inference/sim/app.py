@@ -27,7 +27,7 @@ from slipstream.inference.sim.policy import (
     tokenize_messages,
     tokenize_text,
 )
-from slipstream.orchestrator.client import LOAD_WEIGHTS_METHOD
+from slipstream.inference.sim.transfer import SimWeightTransfer
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -93,6 +93,7 @@ class SimServer:
     def __init__(self, config: SimConfig | None = None) -> None:
         self.config = config or SimConfig()
         self.engine = SimEngine(self.config)
+        self.transfer = SimWeightTransfer(self.engine, self.config)
         self.num_prefix_cache_resets = 0
         self._ids = itertools.count()
         self.instance_id = new_instance_id()
@@ -104,7 +105,11 @@ class SimServer:
             Route("/pause", _guarded(self.pause), methods=["POST"]),
             Route("/resume", self.resume, methods=["POST"]),
             Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
-            Route("/collective_rpc", _guarded(self.collective_rpc), methods=["POST"]),
+            Route("/init_weight_transfer_engine", _guarded(self.init_weight_transfer), methods=["POST"]),
+            Route("/start_weight_update", _guarded(self.start_weight_update), methods=["POST"]),
+            Route("/update_weights", _guarded(self.update_weights), methods=["POST"]),
+            Route("/finish_weight_update", _guarded(self.finish_weight_update), methods=["POST"]),
+            Route("/get_world_size", self.get_world_size, methods=["GET"]),
         ]
         self.app = Starlette(routes=routes, middleware=[Middleware(InstanceIdMiddleware, instance=self.instance_id)])
 
@@ -160,14 +165,25 @@ class SimServer:
         self.num_prefix_cache_resets += 1
         return JSONResponse({"success": True})
 
-    async def collective_rpc(self, request: Request) -> Response:
-        body = await _json_body(request)
-        method, args = body.get("method"), body.get("args") or []
-        if method != LOAD_WEIGHTS_METHOD:
-            raise SimRequestError(f"the simulator implements only collective_rpc method {LOAD_WEIGHTS_METHOD!r}")
-        if len(args) != 1 or not isinstance(args[0], str):
-            raise SimRequestError(f"{LOAD_WEIGHTS_METHOD} takes one argument, the weights folder; got {args!r}")
-        return JSONResponse({"results": [self.engine.load_weights(args[0])]})
+    async def init_weight_transfer(self, request: Request) -> Response:
+        await self.transfer.init((await _json_body(request)).get("init_info") or {})
+        return JSONResponse({"message": "Weight transfer initialized"})
+
+    async def start_weight_update(self, request: Request) -> Response:
+        self.transfer.start()
+        return JSONResponse({"message": "Weight update started"})
+
+    async def update_weights(self, request: Request) -> Response:
+        await self.transfer.update((await _json_body(request)).get("update_info"))
+        return JSONResponse({"message": "Weights updated"})
+
+    async def finish_weight_update(self, request: Request) -> Response:
+        body = await _json_body(request) if await request.body() else {}
+        self.transfer.finish(body.get("weight_version"))
+        return JSONResponse({"message": "Weight update finished"})
+
+    async def get_world_size(self, request: Request) -> Response:
+        return JSONResponse({"world_size": 1})
 
     async def metrics(self, request: Request) -> Response:
         e, labels = self.engine, f'{{model_name="{self.config.model_name or "sim"}"}}'

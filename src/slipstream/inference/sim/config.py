@@ -54,10 +54,13 @@ class SimConfig(BaseConfig):
     """Policy version served before the first weight load."""
 
     require_pause_for_load: bool = True
-    """Reject slipstream_load_weights unless generation is paused (catches a missing /pause in the caller)."""
+    """Reject a weight update unless generation is paused (catches a missing /pause in the caller)."""
 
     require_ready_marker: bool = True
-    """Like the worker extension, reject loading a weights folder without its READY marker."""
+    """Like Slipstream's vLLM engine, reject loading a weights folder without its READY marker."""
+
+    transfer_device: str = "cpu"
+    """Device broadcast weights are received on (`cuda:0` to receive over NCCL on a GPU)."""
 
 
 class LatencyModel:

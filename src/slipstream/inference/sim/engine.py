@@ -8,17 +8,14 @@ that was served when it was generated.
 import asyncio
 import math
 import random
-import re
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 from slipstream.inference.sim.config import LatencyModel, SimConfig
 from slipstream.inference.sim.policy import sim_logprob
 
 PauseMode = Literal["abort", "wait", "keep"]
-_STEP_RE = re.compile(r"^step_(\d+)$")
 
 
 class SimRequestError(ValueError):
@@ -187,21 +184,12 @@ class SimEngine:
         self.paused = self.frozen = False
         self._notify()
 
-    def load_weights(self, path: str) -> dict:
-        """Serve policy version N from now on, N taken from the folder name `.../step_N`."""
-        folder = Path(path)
-        match = _STEP_RE.match(folder.name)
-        if match is None:
-            raise SimRequestError(f"weights folder {path!r} is not named step_N, so it has no policy version")
-        if self.config.require_pause_for_load and not self.paused:
-            raise SimRequestError(f"load of {path} while generation is running; call POST /pause first")
-        if self.config.require_ready_marker and not (folder / "READY").exists():
-            raise SimRequestError(f"{folder} is not a complete published weights folder (no READY marker)")
+    def serve_version(self, version: int, source: str) -> None:
+        """Serve policy `version` from now on (the end of a weight update; `source` is recorded in `loads`)."""
         self._catch_up_all()
-        self.version = int(match.group(1))
-        self.loads.append(str(folder))
+        self.version = version
+        self.loads.append(source)
         self._notify()
-        return {"path": str(folder), "num_tensors": 0, "seconds": 0.0}
 
     def close(self) -> None:
         """Abort everything in flight and refuse held requests (server shutdown)."""

@@ -12,6 +12,7 @@ import uvicorn
 
 from slipstream.inference.sim.app import SimServer
 from slipstream.inference.sim.config import SimConfig, latency_percentiles
+from slipstream.launch.watchdog import start_from_env
 
 
 @contextmanager
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    start_from_env()  # under `slipstream rl`, exit with the launcher
     args = build_parser().parse_args(argv)
     fields = {name: getattr(args, name) for name in SimConfig.model_fields if getattr(args, name) is not None}
     config = SimConfig.model_validate(fields)

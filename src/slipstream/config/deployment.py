@@ -1,0 +1,92 @@
+"""Config of one node's share of a `slipstream rl` run: which processes run here and which GPUs each one gets.
+
+Only the request is checked here (torch-free, device-free); the visible GPUs are known at launch, where
+slipstream.launch.placement turns this into per-process CUDA_VISIBLE_DEVICES and counts.
+"""
+
+from typing import Literal
+
+from pydantic import model_validator
+
+from slipstream.config.base import BaseConfig
+
+Role = Literal["inference", "orchestrator", "trainer"]
+
+ROLES: tuple[Role, ...] = ("inference", "orchestrator", "trainer")
+
+
+class DeploymentConfig(BaseConfig):
+    """Which processes run on this node and how its GPUs are split between vLLM and the trainer.
+
+    GPU ids are those this node's launcher sees: the entries of its CUDA_VISIBLE_DEVICES when that is set, else
+    nvidia-smi's indices. Each child gets its own CUDA_VISIBLE_DEVICES (the orchestrator none). Defaults, with n
+    GPUs: inference and trainer both here: n // 2 for vLLM (1 of 2), the rest for the trainer; only one of them
+    here: all n. No GPU visible (or `gpus = []`): everything runs on CPU, as on a laptop."""
+
+    run: list[Role] = list(ROLES)
+    """Processes started on this node. A subset runs a multi-node job: e.g. `["inference"]` on one node and
+    `["trainer", "orchestrator"]` on another, with orchestrator.inference_url pointing at the inference node (and
+    weights.master_addr at the trainer node for nccl/gloo weight transfer)."""
+
+    gpus: list[int] | None = None
+    """GPUs of this node the run may use; None: every visible one (decided at launch, not when parsing).
+    `[]`: run on CPU even where GPUs exist."""
+
+    inference_gpus: int | list[int] | None = None
+    """GPUs for vLLM: a count (the first free ones of `gpus`) or explicit ids. Must equal
+    inference.tensor_parallel_size x inference.data_parallel_size. None: the default split (see above). Ignored
+    where inference does not run (deployment.run), so one file can serve every node."""
+
+    trainer_gpus: int | list[int] | None = None
+    """GPUs for the trainer: a count (the last free ones of `gpus`) or explicit ids. torchrun starts one
+    rank per GPU (launch.num_trainer_procs follows it). None: the default split (see above). Ignored where the
+    trainer does not run (deployment.run)."""
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> "DeploymentConfig":
+        if not self.run or len(set(self.run)) != len(self.run):
+            raise ValueError(
+                f"deployment.run must list each of {', '.join(ROLES)} at most once, and at least one (got {self.run})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_ids(self) -> "DeploymentConfig":
+        lists = {"gpus": self.gpus, "inference_gpus": self.inference_gpus, "trainer_gpus": self.trainer_gpus}
+        for name, ids in lists.items():
+            if isinstance(ids, int) and ids < 1:
+                raise ValueError(f"deployment.{name} must be a GPU count >= 1 or a list of GPU ids (got {ids})")
+            if isinstance(ids, list) and any(i < 0 for i in ids):
+                raise ValueError(f"deployment.{name} lists a negative GPU id ({ids}); GPU ids start at 0")
+            if isinstance(ids, list) and len(set(ids)) != len(ids):
+                raise ValueError(f"deployment.{name} lists a GPU twice ({ids}); list each id once")
+        inf, trainer = self.inference_gpus, self.trainer_gpus
+        if isinstance(inf, list) and isinstance(trainer, list) and (shared := sorted(set(inf) & set(trainer))):
+            raise ValueError(
+                f"deployment.inference_gpus and deployment.trainer_gpus share GPU(s) {shared}; give each GPU to one "
+                "of them"
+            )
+        for name in ("inference_gpus", "trainer_gpus"):
+            ids = lists[name]
+            if isinstance(ids, list) and self.gpus is not None and (extra := sorted(set(ids) - set(self.gpus))):
+                raise ValueError(
+                    f"deployment.{name} lists GPU(s) {extra} that deployment.gpus ({self.gpus}) leaves out; "
+                    f"add them to deployment.gpus or change deployment.{name}"
+                )
+        if self.gpus == [] and (inf is not None or trainer is not None):
+            raise ValueError(
+                "deployment.gpus = [] runs on CPU, so deployment.inference_gpus / deployment.trainer_gpus cannot be "
+                "set; drop them, or list GPUs in deployment.gpus"
+            )
+        return self
+
+    def known_trainer_gpus(self) -> int | None:
+        """The trainer's GPU count on this node when the config alone fixes it: 0 on CPU (`gpus = []`), else the
+        count or list length of trainer_gpus; None when it is decided at launch or the trainer runs elsewhere."""
+        if "trainer" not in self.run:
+            return None
+        if self.gpus == []:
+            return 0
+        if isinstance(self.trainer_gpus, list):
+            return len(self.trainer_gpus)
+        return self.trainer_gpus

@@ -1,0 +1,123 @@
+"""Slipstream's vLLM weight-transfer engine (backend `slipstream`, registered by inference/vllm_plugin.py): vLLM's RL
+API (/init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update) drives it, and it
+receives each version either by broadcast from trainer rank 0 (gloo on CPU, NCCL on GPU) or from a published folder.
+
+Weights arrive in checkpoint (Hugging Face) format and go through vLLM's layer-wise reload: start_weight_update
+prepares it, every received bucket is handed to `model.load_weights`, finish_weight_update processes the layers and,
+on builds that keep a packed copy of a tied LM head, refreshes that copy (refresh_tied_modules).
+"""
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from slipstream.transport.collective import GroupInit
+from slipstream.transport.weight_receiver import WeightReceiver
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SlipstreamInitInfo(WeightTransferInitInfo):
+    """How this worker joins the trainer's group (see transport.collective.GroupInit)."""
+
+    backend: str
+    master_addr: str
+    master_port: int
+    session: str
+    world_size: int
+    rank_offset: int = 1
+    timeout_s: float = 600.0
+
+
+@dataclass
+class SlipstreamUpdateInfo(WeightTransferUpdateInfo):
+    """One version: from a folder (`path`) or by broadcast (`manifest`, the bucket plan)."""
+
+    step: int
+    path: str | None = None
+    manifest: dict[str, Any] | None = field(default=None)
+
+
+class SlipstreamWeightTransferEngine(WeightTransferEngine[SlipstreamInitInfo, SlipstreamUpdateInfo]):
+    init_info_cls = SlipstreamInitInfo
+    update_info_cls = SlipstreamUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        parallel = vllm_config.parallel_config
+        rank = parallel.data_parallel_index * parallel.world_size + parallel.rank
+        self.receiver = WeightReceiver(torch.device(device), rank_in_receivers=rank)
+        self._tied: list[list[str]] = []
+        self._loaded: set[str] = set()
+
+    def init_transfer_engine(self, init_info: SlipstreamInitInfo) -> None:
+        self.receiver.join(GroupInit(**asdict(init_info)))
+        logger.info("slipstream weight transfer: joined session %s (%s)", init_info.session, init_info.backend)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        self._tied = shared_parameter_groups(self.model)
+        self._loaded = set()
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # vLLM's default synchronises torch.accelerator, which raises on CPU; the receiver syncs CUDA itself.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: SlipstreamUpdateInfo) -> None:
+        info = {k: v for k, v in asdict(update_info).items() if v is not None}
+        stats = self.receiver.receive(info, self._load)
+        logger.info("slipstream weight transfer: %s", stats.to_dict())
+
+    def _load(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        self._loaded.update(name for name, _ in pairs)
+        self.model.load_weights(pairs)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        refreshed = refresh_tied_modules(self.model, self._tied, self._loaded)
+        if refreshed:
+            logger.info("slipstream weight transfer: refreshed tied modules %s", refreshed)
+
+    def shutdown(self) -> None:
+        self.receiver.shutdown()
+
+
+def shared_parameter_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Names of parameters that share storage (tied embeddings), grouped."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(param.data_ptr(), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def refresh_tied_modules(model: torch.nn.Module, groups: list[list[str]], loaded: set[str]) -> list[str]:
+    """A tied parameter (lm_head = embed_tokens) arrives once in the checkpoint, so vLLM's layer-wise reload
+    never re-processes the module that uses the other name; on the CPU build that module keeps a packed copy
+    of the OLD weight for its GEMM. Re-run its post-load processing. Returns the refreshed module names."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    refreshed = []
+    for group in groups:
+        if len({params[n].data_ptr() for n in group}) != 1:
+            raise RuntimeError(f"tied parameters {group} no longer share storage after the weight reload")
+        for name in group:
+            if name in loaded:
+                continue
+            module = model.get_submodule(name.rpartition(".")[0])
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
+                refreshed.append(name.rpartition(".")[0])
+    return refreshed

@@ -1,0 +1,89 @@
+"""How the orchestrator has inference take one weight version, through vLLM's weight-transfer API: from its folder
+on disk, or by broadcast from the trainer (the trainer offered it and waits; see transport/weight_offers.py).
+
+A broadcast needs a transfer session: the group of trainer rank 0 and every inference worker. One is opened at the
+first broadcast and again whenever inference is a new instance (a restart loses the group); the session id is sent
+to the workers in /init_weight_transfer_engine and to the trainer in the version's ACCEPT marker.
+"""
+
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slipstream.config.weights import WeightsConfig
+from slipstream.orchestrator.client import InferenceClient, WeightLoad
+from slipstream.transport.weight_offers import (
+    Accept,
+    is_delivered,
+    is_offered,
+    read_manifest,
+    read_offer,
+    write_accept,
+)
+from slipstream.transport.weights import is_ready, weights_dir
+
+
+@dataclass
+class TransferSession:
+    session: str
+    instance: str | None
+    """The inference instance (X-Slipstream-Instance) whose workers joined it."""
+    world_size: int
+
+
+@dataclass
+class WeightLoader:
+    """Loads versions on one inference server: picks disk or broadcast per version, keeps the transfer session."""
+
+    client: InferenceClient
+    output_dir: Path
+    weights: WeightsConfig
+    session: TransferSession | None = field(default=None)
+
+    def by_broadcast(self, version: int) -> bool:
+        """Whether `version` must come by broadcast: offered, not yet delivered (then it is not on disk yet)."""
+        return is_offered(self.output_dir, version) and not is_delivered(self.output_dir, version)
+
+    async def load(self, version: int, before_resume=None) -> WeightLoad:
+        """Have inference take `version` (in-flight requests frozen meanwhile; see InferenceClient.load_weights)."""
+        if not self.by_broadcast(version):
+            if not is_ready(self.output_dir, version):
+                raise FileNotFoundError(
+                    f"{weights_dir(self.output_dir, version)} is neither complete on disk (READY) nor offered by the "
+                    "trainer for broadcast; it cannot be loaded"
+                )
+            info = {"step": version, "path": str(weights_dir(self.output_dir, version))}
+            return await self.client.load_weights(version, info, before_resume=before_resume)
+        init_info = await self._maybe_new_session(version)
+        session = self.session
+        assert session is not None  # set by _maybe_new_session
+
+        def accept() -> None:
+            write_accept(self.output_dir, version, Accept(session.session, session.world_size))
+
+        info = {"step": version, "manifest": read_manifest(self.output_dir, version)}
+        try:
+            return await self.client.load_weights(
+                version, info, init_info=init_info, on_paused=accept, before_resume=before_resume
+            )
+        except BaseException:
+            self.session = None  # the group may be broken: the next broadcast opens a new session
+            raise
+
+    async def _maybe_new_session(self, version: int) -> dict[str, Any] | None:
+        """init_info of a new session when there is none for the current inference instance, else None."""
+        if self.session is not None and self.session.instance == self.client.instance:
+            return None
+        offer = read_offer(self.output_dir, version)
+        world_size = 1 + await self.client.get_world_size()
+        self.session = TransferSession(uuid.uuid4().hex, self.client.instance, world_size)
+        return {
+            "backend": offer["backend"],
+            "master_addr": self.weights.master_addr,
+            "master_port": self.weights.master_port,
+            "session": self.session.session,
+            "world_size": world_size,
+            "rank_offset": 1,
+            "timeout_s": 600.0,
+        }

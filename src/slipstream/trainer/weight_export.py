@@ -1,0 +1,123 @@
+"""The trainer's model as a stream of Hugging Face tensors, one layer at a time: every rank gathers a layer's FSDP
+shards (`full_tensor()`, a collective, so all ranks iterate in lockstep), the tensors are cast to the published dtype
+and renamed (our models through their family's adapter, experts unstacked), and only that layer is held in full.
+
+The stream's metadata (names, dtypes, shapes) is known before any gather, so the bucket plan can be sent first.
+"""
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from slipstream.transport.weight_stream import TensorMeta
+
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+"""Name parts added by activation checkpointing, torch.compile and wrappers; not part of the model's names."""
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One HF tensor: taken from our tensor `source` (index `index` of its first dim, or the whole tensor)."""
+
+    hf_name: str
+    source: str
+    index: int | None
+    shape: tuple[int, ...]
+
+
+def clean_name(name: str) -> str:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def layer_groups(names: list[str]) -> list[list[str]]:
+    """Names grouped per decoder layer (`layers.<i>.`), in layer order; names outside layers form a first group
+    (those before the first layer: embeddings) and a last one (final norm, LM head)."""
+    pre, post, layers = [], [], {}
+    for name in names:
+        m = _LAYER_RE.search(name)
+        if m is None:
+            (post if layers else pre).append(name)
+        else:
+            layers.setdefault(int(m.group(1)), []).append(name)
+    return [g for g in [pre, *(layers[i] for i in sorted(layers)), post] if g]
+
+
+class HFWeightStream:
+    """Iterate `model` (ours or transformers', possibly FSDP-sharded) as (HF name, full tensor in `dtype`)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        from slipstream.trainer.logprobs import is_custom_model
+
+        self.dtype = dtype
+        self.tensors = _named_tensors(model)
+        if is_custom_model(model):
+            pieces = _custom_pieces(model, self.tensors)
+        else:
+            pieces = {name: [_Piece(name, name, None, tuple(t.shape))] for name, t in self.tensors.items()}
+        self.groups = [[p for source in group for p in pieces[source]] for group in layer_groups(list(pieces))]
+
+    def metas(self) -> list[TensorMeta]:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return [TensorMeta(p.hf_name, dtype, p.shape) for group in self.groups for p in group]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(m.nbytes for m in self.metas())
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        for group in self.groups:
+            full: dict[str, Tensor] = {}
+            for piece in group:
+                if piece.source not in full:
+                    full[piece.source] = _gather(self.tensors[piece.source]).to(self.dtype)
+                tensor = full[piece.source]
+                yield piece.hf_name, (tensor if piece.index is None else tensor[piece.index])
+            del full
+
+
+@torch.no_grad()
+def _gather(tensor: Tensor) -> Tensor:
+    """The whole tensor on this rank's device (a collective for FSDP's DTensors)."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return (full_tensor() if callable(full_tensor) else tensor).detach()
+
+
+def _named_tensors(model: nn.Module) -> dict[str, Tensor]:
+    """The model's state (parameters and persistent buffers) under clean names; a tensor shared by two names (a tied
+    head) appears once, under its first name, as save_pretrained writes it."""
+    out: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        key = id(tensor)
+        if key in seen:
+            continue
+        seen.add(key)
+        out[clean_name(name)] = tensor
+    return out
+
+
+def _custom_pieces(model: nn.Module, tensors: dict[str, Tensor]) -> dict[str, list[_Piece]]:
+    """Our tensor name -> its HF tensors, found by running the family's `to_hf` on meta tensors: renamed tensors come
+    back as the same objects, unstacked experts as views of them (index from the view's offset)."""
+    from slipstream.models.registry import MODEL_SPECS
+
+    spec = next(s for s in MODEL_SPECS.values() if isinstance(model, s.model_cls))
+    metas = {name: torch.empty(tuple(t.shape), dtype=torch.float32, device="meta") for name, t in tensors.items()}
+    owner = {id(t): name for name, t in metas.items()}
+    pieces: dict[str, list[_Piece]] = {name: [] for name in tensors}
+    for hf_name, t in spec.to_hf(dict(metas), model.args).items():
+        if id(t) in owner:
+            pieces[owner[id(t)]].append(_Piece(hf_name, owner[id(t)], None, tuple(t.shape)))
+        elif t._base is not None and id(t._base) in owner:
+            base = t._base
+            index = t.storage_offset() // base.stride(0)
+            pieces[owner[id(base)]].append(_Piece(hf_name, owner[id(base)], index, tuple(t.shape)))
+        else:
+            raise ValueError(f"cannot tell which tensor of the model {hf_name!r} comes from")
+    return {name: ps for name, ps in pieces.items() if ps}

@@ -1,0 +1,111 @@
+"""The receiving end of the weight stream, shared by Slipstream's vLLM weight-transfer engine, the simulated
+inference server and the transfer benchmark: join the sender's group, then take one version at a time either from
+the broadcast or from a published folder on disk, handing each bucket of (name, tensor) pairs to a loader."""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from slipstream.transport.collective import GroupInit, close_group, open_group, open_store
+from slipstream.transport.weight_stream import Manifest, iter_safetensors, receive_buckets
+
+Loader = Callable[[list[tuple[str, torch.Tensor]]], object]
+"""Loads one batch of (HF name, tensor) pairs into the model (vLLM: `model.load_weights`)."""
+
+FILE_BATCH_BYTES = 256 << 20
+"""Tensors read from disk are handed to the loader in batches of about this many bytes."""
+
+
+@dataclass
+class ReceiveStats:
+    step: int
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+    source: str
+    """"broadcast" or the folder read."""
+
+    def to_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "num_tensors": self.num_tensors,
+            "num_bytes": self.num_bytes,
+            "seconds": round(self.seconds, 4),
+            "source": self.source,
+        }
+
+
+class WeightReceiver:
+    """One inference worker's receiving side. `rank_in_receivers` is the worker's index among all receiving
+    workers (data-parallel index x workers per replica + worker rank)."""
+
+    def __init__(self, device: torch.device, rank_in_receivers: int = 0) -> None:
+        self.device = device
+        self.rank_in_receivers = rank_in_receivers
+        self.init: GroupInit | None = None
+        self.group = None
+        self.store = None
+
+    def join(self, init: GroupInit) -> None:
+        """Join the sender's group of `init.session` (blocks until the sender and every receiver joined)."""
+        self.shutdown()
+        rank = init.rank_offset + self.rank_in_receivers
+        if not 0 < rank < init.world_size:
+            raise ValueError(f"receiver rank {rank} outside the group of {init.world_size} (sender is rank 0)")
+        self.store = open_store(init.master_addr, init.master_port, is_master=False, timeout_s=init.timeout_s)
+        self.group = open_group(self.store, init, rank, self.device)
+        self.init = init
+
+    def receive(self, update_info: dict, load: Loader) -> ReceiveStats:
+        """Take one version: `{"step": N, "path": folder}` reads the folder's safetensors; `{"step": N, "manifest":
+        {...}}` receives the manifest's buckets from the sender's broadcast."""
+        start = time.perf_counter()
+        step = int(update_info["step"])
+        if "path" in update_info:
+            num_tensors, num_bytes = _load_folder(Path(update_info["path"]), load)
+            source = str(update_info["path"])
+        elif "manifest" in update_info:
+            if self.group is None:
+                raise RuntimeError(
+                    "weights arrive by broadcast but this worker has not joined the sender's group: call "
+                    "/init_weight_transfer_engine first"
+                )
+            manifest = Manifest.from_dict(update_info["manifest"])
+            if manifest.step != step:
+                raise ValueError(f"update_info step {step} but its manifest is of step {manifest.step}")
+            num_tensors = num_bytes = 0
+            for pairs in receive_buckets(self.group, manifest, self.device):
+                load(pairs)
+                num_tensors += len(pairs)
+                num_bytes += sum(t.numel() * t.element_size() for _, t in pairs)
+            source = "broadcast"
+        else:
+            raise ValueError(f"update_info needs 'path' or 'manifest' (got keys {sorted(update_info)})")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return ReceiveStats(step, num_tensors, num_bytes, time.perf_counter() - start, source)
+
+    def shutdown(self) -> None:
+        close_group(self.group)
+        self.group, self.store, self.init = None, None, None
+
+
+def _load_folder(folder: Path, load: Loader) -> tuple[int, int]:
+    """Feed a published folder's tensors to `load` in batches; return (tensors, bytes)."""
+    if not (folder / "READY").exists():
+        raise FileNotFoundError(f"{folder} is not a complete published weights folder (no READY marker)")
+    batch: list[tuple[str, torch.Tensor]] = []
+    batch_bytes = num_tensors = num_bytes = 0
+    for name, tensor in iter_safetensors(folder):
+        batch.append((name, tensor))
+        size = tensor.numel() * tensor.element_size()
+        batch_bytes, num_bytes, num_tensors = batch_bytes + size, num_bytes + size, num_tensors + 1
+        if batch_bytes >= FILE_BATCH_BYTES:
+            load(batch)
+            batch, batch_bytes = [], 0
+    if batch:
+        load(batch)
+    return num_tensors, num_bytes

@@ -1,0 +1,112 @@
+"""Weights by broadcast through vLLM's weight-transfer API on the real vLLM CPU build (gloo: the CPU twin of NCCL):
+a tiny model trains with `weights.transport = "gloo"`, every version is received by Slipstream's engine inside vLLM and
+verified by the probe, as exactly as through files; vLLM killed in the middle of a transfer is restarted, the
+transfer is redone for the new server, verified, and no step is lost."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from slipstream.transport.weight_offers import ACCEPT, DELIVERED
+from slipstream.transport.weights import READY, weights_dir
+from tests.e2e.helpers import child_processes, free_port, processes_with_marker, tiny_rl_config, write_config
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+MAX_STEPS = 6
+VLLM_SIGNATURE = "vllm.entrypoints.openai.api_server"
+
+
+def _read_jsonl(path):
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _vllm_tree(launcher_pid: int) -> list[psutil.Process]:
+    """The vLLM API server this test's launcher started, and its descendants (engine core, worker)."""
+    servers = [pid for pid, cmd in child_processes(launcher_pid).items() if VLLM_SIGNATURE in cmd]
+    assert len(servers) == 1, child_processes(launcher_pid)
+    server = psutil.Process(servers[0])
+    return [server, *server.children(recursive=True)]
+
+
+def _freeze_mid_transfer(out, launcher: subprocess.Popen, deadline: float) -> int:
+    """Wait for a transfer (an ACCEPTed version >= 2) and freeze vLLM (SIGSTOP) while it is under way, i.e. before
+    the trainer marks it DELIVERED; return the version. A transfer that ends before the freeze lands is let go."""
+    tried: set[int] = set()
+    while True:
+        assert launcher.poll() is None, launcher.communicate()
+        assert time.monotonic() < deadline, "no transfer could be caught in flight"
+        for step in range(2, MAX_STEPS):
+            folder = weights_dir(out, step)
+            if step in tried or not (folder / ACCEPT).exists():
+                continue
+            tree = _vllm_tree(launcher.pid)
+            for proc in tree:
+                proc.send_signal(signal.SIGSTOP)  # processes this test's launcher started
+            tried.add(step)
+            time.sleep(1.0)  # the trainer would have finished the tiny transfer by now, were vLLM running
+            if not (folder / DELIVERED).exists():
+                return step
+            for proc in tree:
+                proc.send_signal(signal.SIGCONT)
+        time.sleep(0.002)
+
+
+def test_gloo_transfer_through_vllm_survives_a_kill_mid_transfer(tiny_qwen3_dir, tmp_path, run_env):
+    marker, env = run_env
+    out = tmp_path / "run"
+    config = tiny_rl_config(
+        tiny_qwen3_dir,
+        out,
+        max_steps=MAX_STEPS,
+        weights={"transport": "gloo", "master_port": free_port(), "bucket_mb": 1},
+        launch={"inference_restarts": 2, "inference_restart_backoff_s": 0.5},
+        orchestrator={"recovery": {"timeout_s": 400, "backoff_max_s": 2}},
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "slipstream", "rl", "-c", str(write_config(tmp_path / "rl.toml", config))],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        frozen = _freeze_mid_transfer(out, launcher, time.monotonic() + 500)
+        for proc in _vllm_tree(launcher.pid):
+            os.kill(proc.pid, signal.SIGKILL)
+        stdout, stderr = launcher.communicate(timeout=700)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 0, f"stdout:\n{stdout}\nstderr:\n{stderr}"
+    assert "restart 1 of 2" in stdout and "inference healthy again" in stdout, stdout
+
+    metrics = _read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, MAX_STEPS + 1))  # every step, exactly once
+    attempts = {m["step"]: m["weights/send_attempts"] for m in metrics}
+    assert attempts[frozen] == 2 and all(a == 1 for s, a in attempts.items() if s != frozen), attempts
+    trainer_log = (out / "logs" / "trainer.log").read_text()
+    assert f"sending the weights of step {frozen} failed" in trainer_log
+
+    checks = _read_jsonl(out / "weight_checks.jsonl")
+    assert all(c["passed"] for c in checks), checks
+    # as exact as through files (test_rl_tiny: float32 on both sides): far inside the 1e-3 tolerance
+    assert max(c["max_abs_diff"] for c in checks) < 1e-4, checks
+    after_restart = [c for c in checks if c["after_restart"]]
+    assert [c["step"] for c in after_restart] == [frozen], checks  # the redone transfer, verified on the new server
+    assert checks[-1]["step"] == MAX_STEPS
+    # versions that came by broadcast only are not on disk; the last one is
+    assert not (weights_dir(out, frozen) / READY).exists() and (weights_dir(out, MAX_STEPS) / READY).exists()
+
+    deadline = time.monotonic() + 10
+    while processes_with_marker(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_with_marker(marker) == [], "processes left behind by the run"

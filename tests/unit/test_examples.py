@@ -1,0 +1,63 @@
+"""Every example config parses with the config loader, places on a simulated node (CPU, or 8 GPUs: no GPU needed),
+yields a plan, and renders a vLLM command line that vLLM's own parser accepts with the values the config asks for."""
+
+from pathlib import Path
+
+import pytest
+
+from slipstream.config import RLConfig
+from slipstream.config.loader import load_config
+from slipstream.inference.server import build_vllm_argv
+from slipstream.launch.plan import build_plan, resolve_config
+from tests.unit.test_vllm_argv import parse_vllm_argv
+
+EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("**/*.toml"))
+EIGHT_GPUS = list(range(8))
+
+
+def nodes(path: Path) -> list[list[int]]:
+    """Simulated GPU lists: GPU examples (with a [deployment] section) on 8 GPUs; CPU examples on CPU and 8 GPUs."""
+    return [EIGHT_GPUS] if "[deployment]" in path.read_text() else [[], EIGHT_GPUS]
+
+
+def test_examples_are_found():
+    names = {f"{p.parent.name}/{p.name}" for p in EXAMPLES}
+    assert {"reverse_text/rl.toml", "reverse_text/rl-gpu.toml", "qwen3_30b_a3b/rl.toml"} <= names
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_example_parses_places_and_renders(path, tmp_path):
+    config = load_config(RLConfig, ["-c", str(path), "--output-dir", str(tmp_path / "run")])
+    for visible in nodes(path):
+        resolved = resolve_config(config, visible)
+        specs = {spec.name: spec for spec in build_plan(resolved, gpus=visible)}
+        assert set(specs) == set(resolved.deployment.run)
+        trainer = specs["trainer"].argv
+        assert int(trainer[trainer.index("--nproc-per-node") + 1]) == resolved.launch.num_trainer_procs
+        argv = build_vllm_argv(resolved.inference, Path("/models/example"))
+        _, engine = parse_vllm_argv(argv)
+        assert engine.tensor_parallel_size * engine.data_parallel_size == max(len(resolved_ids(specs)), 1)
+        default = "bfloat16" if visible else "float32"  # when the example leaves model.dtype unset
+        expected = config.model.dtype if "dtype" in config.model.model_fields_set else default
+        assert engine.dtype == resolved.model.dtype == expected
+        assert resolved.weights.transport == ("nccl" if visible else "filesystem")
+
+
+def resolved_ids(specs) -> list[str]:
+    ids = specs["inference"].env.get("CUDA_VISIBLE_DEVICES", "")
+    return [i for i in ids.split(",") if i]
+
+
+def test_gpu_examples_place_as_documented(tmp_path):
+    root = Path(__file__).parents[2] / "examples"
+    small = resolve_config(load_config(RLConfig, ["-c", str(root / "reverse_text/rl-gpu.toml")]), [0, 1])
+    specs = {spec.name: spec for spec in build_plan(small, gpus=[0, 1])}
+    assert (specs["inference"].env["CUDA_VISIBLE_DEVICES"], specs["trainer"].env["CUDA_VISIBLE_DEVICES"]) == ("0", "1")
+    assert small.model.name == "Qwen/Qwen3-0.6B" and small.model.dtype == "bfloat16"
+    moe = resolve_config(load_config(RLConfig, ["-c", str(root / "qwen3_30b_a3b/rl.toml")]), EIGHT_GPUS)
+    specs = {spec.name: spec for spec in build_plan(moe, gpus=EIGHT_GPUS)}
+    assert specs["inference"].env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert specs["trainer"].env["CUDA_VISIBLE_DEVICES"] == "2,3,4,5,6,7"
+    assert (moe.launch.num_trainer_procs, moe.trainer.parallel.ep, moe.trainer.model_impl) == (6, 2, "custom")
+    _, engine = parse_vllm_argv(build_vllm_argv(moe.inference, Path("/models/qwen3-30b-a3b")))
+    assert (engine.tensor_parallel_size, engine.data_parallel_size, engine.enable_expert_parallel) == (1, 2, True)

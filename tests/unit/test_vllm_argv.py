@@ -1,0 +1,85 @@
+"""The vLLM command lines Slipstream renders, parsed by the installed vLLM's own server parser: every flag must be
+one vLLM knows, and the values it reads back must be the deployment's (tp, dp, dtype, weight-transfer backend)."""
+
+import argparse
+import functools
+import json
+from pathlib import Path
+
+import pytest
+
+from slipstream.config import RLConfig
+from slipstream.config.loader import deep_merge, validate_config
+from slipstream.inference.server import build_vllm_argv
+from slipstream.inference.vllm_plugin import ENGINE_BACKEND
+from slipstream.launch.plan import resolve_config
+
+API_SERVER = "vllm.entrypoints.openai.api_server"
+BASE = {"max_steps": 2, "model": {"name": "Qwen/Qwen3-0.6B"}, "orchestrator": {"batch_size": 8, "group_size": 4}}
+
+
+@functools.cache
+def _vllm_parser() -> argparse.ArgumentParser:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser(description="vLLM OpenAI-Compatible RESTful API server."))
+
+
+def parse_vllm_argv(argv: list[str]):
+    """Parse a rendered command line as `python -m vllm.entrypoints.openai.api_server` would (its parser and its
+    checks), and return vLLM's engine arguments. An unknown flag exits (SystemExit 2), as vLLM would."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+
+    assert argv[1:3] == ["-m", API_SERVER]
+    args = _vllm_parser().parse_args(argv[3:])
+    validate_parsed_serve_args(args)
+    return args, AsyncEngineArgs.from_cli_args(args)
+
+
+def inference_config(visible: list[int], **sections):
+    config = validate_config(RLConfig, deep_merge(BASE, sections))
+    return resolve_config(config, visible).inference
+
+
+SHAPES = {
+    "1 GPU": ([0, 1], {}, 1, 1),
+    "tp=2": ([0, 1, 2, 3], {"inference": {"tensor_parallel_size": 2}}, 2, 1),
+    "dp=2": ([0, 1, 2, 3], {}, 1, 2),
+    "tp=2 x dp=2": (list(range(8)), {"inference": {"tensor_parallel_size": 2}}, 2, 2),
+    "tool parser": ([0, 1], {"inference": {"tool_call_parser": "hermes"}}, 1, 1),
+    "expert parallel": (list(range(8)), {"inference": {"extra_args": ["--enable-expert-parallel"]}}, 1, 4),
+    "CPU": ([], {"model": {"name": "Qwen/Qwen3-0.6B", "dtype": "float32"}}, 1, 1),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_vllm_parses_our_command_line(shape):
+    visible, sections, tp, dp = SHAPES[shape]
+    config = inference_config(visible, **sections)
+    argv = build_vllm_argv(config, Path("/models/qwen3-0.6b"))
+    args, engine = parse_vllm_argv(argv)
+    assert (engine.tensor_parallel_size, engine.data_parallel_size) == (tp, dp)
+    assert engine.model == "/models/qwen3-0.6b" and engine.served_model_name == ["Qwen/Qwen3-0.6B"]
+    assert engine.dtype == ("bfloat16" if visible else "float32")
+    assert engine.weight_transfer_config.backend == ENGINE_BACKEND
+    assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "slipstream"}
+    assert (engine.max_model_len, engine.max_num_seqs, engine.seed) == (2048, 64, 0)
+    assert engine.logprobs_mode == "processed_logprobs" and engine.enforce_eager
+    assert len(args.middleware) == 2
+    assert ("--gpu-memory-utilization" in argv) == bool(visible)  # decided by the placement, not by torch here
+    if visible:
+        assert engine.gpu_memory_utilization == 0.9
+    assert ("--data-parallel-size" in argv) == (dp > 1)
+    assert (args.enable_auto_tool_choice, args.tool_call_parser) == (
+        ("tool_call_parser" in sections.get("inference", {})),
+        sections.get("inference", {}).get("tool_call_parser"),
+    )
+    assert engine.enable_expert_parallel == ("extra_args" in sections.get("inference", {}))
+
+
+def test_a_flag_vllm_does_not_know_fails():
+    config = inference_config([], inference={"extra_args": ["--no-such-vllm-flag", "1"]})
+    with pytest.raises(SystemExit):
+        parse_vllm_argv(build_vllm_argv(config, Path("/m")))

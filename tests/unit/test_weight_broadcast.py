@@ -1,0 +1,100 @@
+"""Weight versions by broadcast (gloo, CPU): the trainer's publisher offers a version and sends it to the session the
+orchestrator accepted; the receiver (a separate process running the receive code of Slipstream's vLLM engine) gets
+exactly the tensors a filesystem publish writes. A receiver that dies mid-transfer leaves the trainer waiting for a
+new session, to which it sends the version again whole."""
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from slipstream.config.shared import ModelConfig
+from slipstream.config.trainer import TrainerConfig
+from slipstream.config.weights import WeightsConfig
+from slipstream.trainer.publish import WeightPublisher
+from slipstream.trainer.setup import setup_trainer, teardown_trainer
+from slipstream.trainer.weights import publish_weights
+from slipstream.transport.weight_offers import (
+    DELIVERED,
+    Accept,
+    is_offered,
+    read_manifest,
+    write_accept,
+)
+from slipstream.transport.weights import READY, read_probe, weights_dir
+from tests.e2e.helpers import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _receiver(run_dir: Path, step: int, session: str, port: int, out: Path, die_after: int = -1):
+    argv = [sys.executable, "-m", "tests.unit.weight_receiver_proc", str(run_dir), str(step), session, "2", str(port)]
+    return subprocess.Popen([*argv, str(out), "--die-after", str(die_after)], cwd=REPO_ROOT)
+
+
+def _wait(predicate, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(300)
+def test_broadcast_survives_a_receiver_dying_mid_transfer(tiny_qwen3_dir, tmp_path):
+    port = free_port()
+    config = TrainerConfig(
+        model=ModelConfig(name=str(tiny_qwen3_dir)),
+        output_dir=tmp_path / "run",
+        max_steps=2,
+        device="cpu",
+        weights=WeightsConfig(transport="gloo", master_port=port, bucket_mb=1, accept_timeout_s=120),
+    )
+    trainer = setup_trainer(config)
+    publisher = WeightPublisher(trainer, config)
+    results: dict[int, dict] = {}
+    try:
+        for step, die_first in ((1, True), (2, False)):
+            thread = threading.Thread(target=lambda s=step: results.update({s: publisher.publish(s)}))
+            thread.start()
+            _wait(lambda s=step: is_offered(config.output_dir, s))
+            assert len(read_manifest(config.output_dir, step)["buckets"]) >= 2  # a death can fall mid-transfer
+            if die_first:
+                write_accept(config.output_dir, step, Accept("first", 2))
+                dead = _receiver(config.output_dir, step, "first", port, tmp_path / "dead.pt", die_after=1)
+                assert dead.wait(timeout=60) == 3
+                assert not (weights_dir(config.output_dir, step) / DELIVERED).exists()
+            session = f"session-{step}"
+            write_accept(config.output_dir, step, Accept(session, 2))
+            out = tmp_path / f"got_{step}.pt"
+            assert _receiver(config.output_dir, step, session, port, out).wait(timeout=60) == 0
+            thread.join(timeout=60)
+            assert not thread.is_alive()
+            got = torch.load(out)["tensors"]
+            reference = publish_weights(
+                trainer.model,
+                trainer.tokenizer,
+                tmp_path / "ref",
+                step,
+                trainer.probe_token_ids,
+                source_dir=tiny_qwen3_dir,
+            )
+            expected = load_file(reference / "model.safetensors")
+            assert got.keys() == expected.keys()
+            assert all(torch.equal(got[k], expected[k]) for k in got)
+            assert read_probe(config.output_dir, step) == read_probe(tmp_path / "ref", step)
+    finally:
+        publisher.close()
+        teardown_trainer(trainer)
+    assert results[1]["weights/send_attempts"] == 2 and results[2]["weights/send_attempts"] == 1
+    assert (weights_dir(config.output_dir, 1) / DELIVERED).exists()
+    # Only the last step (resume and users need it) is also written to disk; step 1 lived in the broadcast only.
+    assert not (weights_dir(config.output_dir, 1) / READY).exists()
+    folder = weights_dir(config.output_dir, 2)
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) == len(read_manifest(config.output_dir, 2)["buckets"]) and (folder / READY).exists()
+    assert (folder / "model.safetensors.index.json").exists() and (folder / "config.json").exists()
