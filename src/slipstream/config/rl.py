@@ -1,6 +1,7 @@
 """Config of `slipstream rl`: the three processes plus the fields they share, set once at the top level."""
 
 from pathlib import Path
+from urllib.parse import urlparse
 from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
@@ -186,9 +187,11 @@ class RLConfig(BaseConfig):
                 "how weights travel: set weights.transport explicitly ('nccl' between GPU nodes, 'filesystem' on a "
                 "shared filesystem)"
             )
-        if transport in ("nccl", "gloo") and split and self.weights.master_addr in LOOPBACK:
+        inference_host = urlparse(self.orchestrator.inference_url).hostname or ""
+        remote = inference_host not in LOOPBACK and inference_host != "localhost"
+        if transport in ("nccl", "gloo") and split and remote and self.weights.master_addr in LOOPBACK:
             raise ValueError(
-                f"weights.transport = {transport!r} with inference and the trainer on different nodes "
+                f"weights.transport = {transport!r} with inference on another machine ({inference_host}) "
                 f"(deployment.run = {run}): set weights.master_addr to the trainer node's address, reachable from "
                 "the inference node (or use weights.transport = 'filesystem' on a shared filesystem)"
             )

@@ -5,6 +5,7 @@ received by the very code Slipstream's vLLM engine runs (transport/weight_receiv
 (torch is imported only then), so GPU tests and benchmarks exercise the real transfer without vLLM."""
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,7 @@ class SimWeightTransfer:
             raise SimRequestError("weights arrive by broadcast but no group was joined: /init_weight_transfer_engine")
         stats = await asyncio.to_thread(self.receiver.receive, update_info, _discard)
         self.received.append(stats.to_dict())
+        print(f"[sim] received {json.dumps(stats.to_dict())}", flush=True)
 
     def finish(self, weight_version: str | None) -> None:
         if not self.active:

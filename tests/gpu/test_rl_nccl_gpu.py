@@ -1,0 +1,99 @@
+"""On 4 GPUs: `slipstream rl` through the real launcher with the trainer on 2 GPUs (placement, torchrun, FSDP=2) and
+weights sent over NCCL to the simulated inference server's receiver on a third GPU (the receive code of Slipstream's
+vLLM engine; vLLM's GPU build cannot be installed on the machines of this project). The simulator runs as another
+node would: started here, with `deployment.run = ["trainer", "orchestrator"]` on the launcher's side.
+
+Not run in CI (marked gpu). The simulator's log-probs are not the model's, so the probe check is off; what is checked
+is that every version arrives whole by broadcast (bytes = the manifest's) and is served, and every step runs once."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from slipstream.transport.weight_offers import read_manifest
+from slipstream.transport.weights import READY, weights_dir
+from tests.e2e.helpers import free_port, write_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 CUDA GPUs")]
+MAX_STEPS = 5
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the simulated server exited"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def test_rl_trainer_fsdp2_sends_weights_over_nccl_to_a_third_gpu(tiny_qwen3_dir, tmp_path):
+    out, port = tmp_path / "run", free_port()
+    sim_log = tmp_path / "sim.log"
+    sim_env = {**os.environ, "CUDA_VISIBLE_DEVICES": "2", "PYTHONUNBUFFERED": "1"}
+    sim_argv = [sys.executable, "-m", "slipstream.inference.sim", "--port", str(port), "--vocab-size", "256"]
+    sim_argv += ["--model-name", str(tiny_qwen3_dir), "--transfer-device", "cuda:0", "--default-max-tokens", "12"]
+    with open(sim_log, "w") as log:
+        sim = subprocess.Popen(sim_argv, env=sim_env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", sim)
+        config = {
+            "max_steps": MAX_STEPS,
+            "output_dir": str(out),
+            "seed": 7,
+            "model": {"name": str(tiny_qwen3_dir)},
+            "deployment": {"run": ["trainer", "orchestrator"], "gpus": [0, 1]},
+            "weights": {"transport": "nccl", "master_port": free_port(), "bucket_mb": 1},
+            "orchestrator": {
+                "inference_url": f"http://127.0.0.1:{port}",
+                "batch_size": 8,
+                "group_size": 4,
+                "micro_batch_tokens": 512,
+                "version_tracking": "reply",
+                "sampling": {"temperature": 1.0, "max_tokens": 12},
+                "env": {"name": "reverse_text", "args": {"num_tasks": 64}},
+                "weight_check": {"enabled": False},
+            },
+            "launch": {"health_timeout_s": 120, "shutdown_grace_s": 5},
+        }
+        cmd = [sys.executable, "-m", "slipstream", "rl", "-c", str(write_config(tmp_path / "rl.toml", config))]
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"}
+        )
+    finally:
+        sim.terminate()
+        sim.wait(timeout=30)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}\nsim:\n{sim_log.read_text()}"
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, MAX_STEPS + 1))
+    assert all(m["weights/send_attempts"] == 1 for m in metrics)
+    received = [
+        json.loads(line.split("received ", 1)[1]) for line in sim_log.read_text().splitlines() if "received " in line
+    ]
+    assert [r["step"] for r in received] == list(range(1, MAX_STEPS + 1)), received
+    for r in received:
+        assert r["source"] == "broadcast" and r["num_bytes"] == sum(
+            b["nbytes"] for b in _bucket_sizes(out, r["step"])
+        ), r
+    resolved = tomllib.loads((out / "config" / "rl.toml").read_text())
+    assert resolved["launch"]["num_trainer_procs"] == 2 and resolved["weights"]["transport"] == "nccl"
+    assert (weights_dir(out, MAX_STEPS) / READY).exists()  # the last version is also on disk
+
+
+def _bucket_sizes(out: Path, step: int) -> list[dict]:
+    from slipstream.transport.weight_stream import Manifest
+
+    manifest = Manifest.from_dict(read_manifest(out, step))
+    return [{"nbytes": b.nbytes} for b in manifest.buckets]
