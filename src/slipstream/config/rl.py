@@ -1,8 +1,8 @@
 """Config of `slipstream rl`: the three processes plus the fields they share, set once at the top level."""
 
 from pathlib import Path
-from urllib.parse import urlparse
 from typing import Any
+from urllib.parse import urlparse
 
 from pydantic import BaseModel, Field, model_validator
 
