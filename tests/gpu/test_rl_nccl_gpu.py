@@ -69,13 +69,15 @@ def test_rl_trainer_fsdp2_sends_weights_over_nccl_to_a_third_gpu(tiny_qwen3_dir,
             "launch": {"health_timeout_s": 120, "shutdown_grace_s": 5},
         }
         cmd = [sys.executable, "-m", "slipstream", "rl", "-c", str(write_config(tmp_path / "rl.toml", config))]
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"}
-        )
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"}
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"slipstream rl did not finish in 240 s: {e.stdout}\n{e.stderr}\n{_logs(out, sim_log)}")
     finally:
         sim.terminate()
         sim.wait(timeout=30)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}\nsim:\n{sim_log.read_text()}"
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}\n{_logs(out, sim_log)}"
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, MAX_STEPS + 1))
     assert all(m["weights/send_attempts"] == 1 for m in metrics)
@@ -90,6 +92,15 @@ def test_rl_trainer_fsdp2_sends_weights_over_nccl_to_a_third_gpu(tiny_qwen3_dir,
     resolved = tomllib.loads((out / "config" / "rl.toml").read_text())
     assert resolved["launch"]["num_trainer_procs"] == 2 and resolved["weights"]["transport"] == "nccl"
     assert (weights_dir(out, MAX_STEPS) / READY).exists()  # the last version is also on disk
+
+
+def _logs(out: Path, sim_log: Path) -> str:
+    """The last lines of every log of the run, for a failure message."""
+    parts = []
+    for path in [*sorted((out / "logs").glob("*.log")), sim_log]:
+        if path.exists():
+            parts.append(f"----- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-40:]))
+    return "\n".join(parts)
 
 
 def _bucket_sizes(out: Path, step: int) -> list[dict]:

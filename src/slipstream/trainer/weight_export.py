@@ -1,6 +1,8 @@
 """The trainer's model as a stream of Hugging Face tensors, one layer at a time: every rank gathers a layer's FSDP
-shards (`full_tensor()`, a collective, so all ranks iterate in lockstep), the tensors are cast to the published dtype
-and renamed (our models through their family's adapter, experts unstacked), and only that layer is held in full.
+shards (the layer's FSDP unit is unsharded in one all-gather, the next layer's gather already in flight; parameters
+outside any unit fall back to `full_tensor()`; all collectives, so all ranks iterate in lockstep), the tensors are
+cast to the published dtype and renamed (our models through their family's adapter, experts unstacked), and only
+that layer is held in full.
 
 The stream's metadata (names, dtypes, shapes) is known before any gather, so the bucket plan can be sent first.
 """
@@ -56,6 +58,8 @@ class HFWeightStream:
 
         self.dtype = dtype
         self.tensors = _named_tensors(model)
+        self.locations = _locations(model)
+        self.parents = {id(child): module for module in model.modules() for child in module.children()}
         if is_custom_model(model):
             pieces = _custom_pieces(model, self.tensors)
         else:
@@ -71,14 +75,63 @@ class HFWeightStream:
         return sum(m.nbytes for m in self.metas())
 
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
-        for group in self.groups:
+        owners = [self._fsdp_owners(group) for group in self.groups]
+        handles = _unshard(owners[0]) if owners else []
+        for k, group in enumerate(self.groups):
+            for handle in handles:
+                handle.wait()
+            handles = _unshard(owners[k + 1]) if k + 1 < len(owners) else []  # prefetch: overlaps this layer's work
             full: dict[str, Tensor] = {}
             for piece in group:
                 if piece.source not in full:
-                    full[piece.source] = _gather(self.tensors[piece.source]).to(self.dtype)
+                    live = self._live(piece.source)
+                    full[piece.source] = _owned(_gather(live).to(self.dtype), live)
                 tensor = full[piece.source]
                 yield piece.hf_name, (tensor if piece.index is None else tensor[piece.index])
             del full
+            for module in owners[k]:
+                module.reshard()
+
+    def _live(self, name: str) -> Tensor:
+        """The tensor now registered under `name` (FSDP swaps in unsharded parameters while a unit is unsharded)."""
+        module, attr = self.locations[name]
+        return getattr(module, attr)
+
+    def _fsdp_owners(self, group: list[_Piece]) -> list[nn.Module]:
+        """The FSDP units directly holding the group's tensors (none without FSDP)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        owners: dict[int, nn.Module] = {}
+        for piece in group:
+            module = self.locations[piece.source][0]
+            while module is not None and not isinstance(module, FSDPModule):
+                module = self.parents.get(id(module))
+            if module is not None:
+                owners[id(module)] = module
+        return list(owners.values())
+
+
+def _owned(tensor: Tensor, live: Tensor) -> Tensor:
+    """`tensor`, copied if it still is the module's own tensor (same dtype, no gather): resharding an FSDP unit frees
+    that storage, and training changes it in place, while the sinks may still be reading it on their thread."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(live, DTensor) and tensor.data_ptr() == live.data_ptr():
+        return tensor.clone()
+    return tensor
+
+
+def _unshard(modules: list[nn.Module]) -> list:
+    return [h for h in (m.unshard(async_op=True) for m in modules) if h is not None]
+
+
+def _locations(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """Clean tensor name -> (module holding it, attribute name)."""
+    out: dict[str, tuple[nn.Module, str]] = {}
+    for prefix, module in model.named_modules():
+        for attr, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            out.setdefault(clean_name(f"{prefix}.{attr}" if prefix else attr), (module, attr))
+    return out
 
 
 @torch.no_grad()

@@ -254,21 +254,38 @@ class BroadcastSink:
 
 def broadcast(group: "torch.distributed.ProcessGroup", tensor: torch.Tensor) -> None:
     """Broadcast `tensor` in place from rank 0 of `group` and wait for it."""
+    start_broadcast(group, tensor).wait()
+
+
+def start_broadcast(group: "torch.distributed.ProcessGroup", tensor: torch.Tensor):
+    """Start broadcasting `tensor` in place from rank 0 of `group`; returns the work to wait on."""
     import torch.distributed as dist
 
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    group.broadcast([tensor], opts).wait()
+    return group.broadcast([tensor], opts)
 
 
 def receive_buckets(
     group: "torch.distributed.ProcessGroup", manifest: Manifest, device: torch.device
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The receiving side of BroadcastSink: yields each bucket's (name, tensor) views, in plan order. A bucket's
-    views are valid until the next one is requested."""
-    for bucket in manifest.buckets:
+    """The receiving side of BroadcastSink: yields each bucket's (name, tensor) views, in plan order. The next
+    bucket is already being received while the caller loads this one (two buckets of memory); a bucket's views are
+    valid until the one after next is requested."""
+    buckets = list(manifest.buckets)
+    if not buckets:
+        return
+
+    def start(bucket: Bucket):
         flat = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-        broadcast(group, flat)
+        return flat, start_broadcast(group, flat)
+
+    pending = start(buckets[0])
+    for i, bucket in enumerate(buckets):
+        flat, work = pending
+        work.wait()
+        if i + 1 < len(buckets):
+            pending = start(buckets[i + 1])
         yield unpack(flat, bucket)
 
 
