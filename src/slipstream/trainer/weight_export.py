@@ -75,20 +75,30 @@ class HFWeightStream:
         return sum(m.nbytes for m in self.metas())
 
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        for names, stacked in self.runs():
+            yield from zip(names, stacked.unbind(0), strict=True)
+
+    def runs(self) -> Iterator[tuple[list[str], Tensor]]:
+        """(names, stacked): each gathered tensor once, as the run of HF tensors it holds (a layer's experts of one
+        projection come as one [E, ...] run; any other tensor as a run of one), in stream order."""
         owners = [self._fsdp_owners(group) for group in self.groups]
         handles = _unshard(owners[0]) if owners else []
         for k, group in enumerate(self.groups):
             for handle in handles:
                 handle.wait()
             handles = _unshard(owners[k + 1]) if k + 1 < len(owners) else []  # prefetch: overlaps this layer's work
-            full: dict[str, Tensor] = {}
-            for piece in group:
-                if piece.source not in full:
-                    live = self._live(piece.source)
-                    full[piece.source] = _owned(_gather(live).to(self.dtype), live)
-                tensor = full[piece.source]
-                yield piece.hf_name, (tensor if piece.index is None else tensor[piece.index])
-            del full
+            for source, pieces in _by_source(group):
+                live = self._live(source)
+                full = _owned(_gather(live).to(self.dtype), live)
+                names = [p.hf_name for p in pieces]
+                if pieces[0].index is None:
+                    yield names, full.unsqueeze(0)
+                else:
+                    first = pieces[0].index
+                    if [p.index for p in pieces] != list(range(first, first + len(pieces))):
+                        raise ValueError(f"the HF tensors of {source} do not come in index order")
+                    yield names, full[first : first + len(pieces)]
+                del full
             for module in owners[k]:
                 module.reshard()
 
@@ -109,6 +119,17 @@ class HFWeightStream:
             if module is not None:
                 owners[id(module)] = module
         return list(owners.values())
+
+
+def _by_source(group: list[_Piece]) -> list[tuple[str, list[_Piece]]]:
+    """The group's pieces as consecutive runs of one source tensor."""
+    out: list[tuple[str, list[_Piece]]] = []
+    for piece in group:
+        if out and out[-1][0] == piece.source:
+            out[-1][1].append(piece)
+        else:
+            out.append((piece.source, [piece]))
+    return out
 
 
 def _owned(tensor: Tensor, live: Tensor) -> Tensor:

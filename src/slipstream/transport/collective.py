@@ -65,12 +65,13 @@ def open_group(store: dist.Store, init: GroupInit, rank: int, device: torch.devi
 
 
 def close_group(group: "dist.ProcessGroup | None") -> None:
-    """Release a group (a dead peer's group is unusable); safe on None."""
+    """Release a group (a dead peer's group is unusable); safe on None. NCCL groups are aborted: a clean shutdown
+    finalizes the communicator together with the peers, which would wait for receivers that keep their group."""
     if group is None:
         return
-    shutdown = getattr(group, "shutdown", None) or getattr(group, "abort", None)
-    if callable(shutdown):
-        try:
-            shutdown()
-        except RuntimeError:
-            pass  # a group whose peer died may refuse a clean shutdown; it is dropped either way
+    nccl = getattr(dist, "ProcessGroupNCCL", None)  # absent from CPU builds of torch
+    release = group.abort if nccl is not None and isinstance(group, nccl) else group.shutdown
+    try:
+        release()
+    except RuntimeError:
+        pass  # a group whose peer died may refuse; it is dropped either way

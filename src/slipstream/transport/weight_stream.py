@@ -157,40 +157,71 @@ def unpack(flat: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tensor]]
     return out
 
 
-class BucketSink(Protocol):
-    """Where a sender's completed buckets go."""
+class RunStream(Protocol):
+    """A weight stream: `runs()` yields (names, stacked) for consecutive tensors of the stream stacked along dim 0
+    (single tensors as runs of one), in stream order."""
 
-    def send(self, index: int, bucket: Bucket, tensors: list[torch.Tensor]) -> None: ...
+    def runs(self) -> Iterator[tuple[list[str], torch.Tensor]]: ...
+
+
+class BucketSink(Protocol):
+    """Where a sender's completed buckets go. `segments` hold the bucket's tensors in order, stacked: segment i has
+    shape [n_i, *shape] and covers the next n_i tensors (a layer's experts travel as one segment)."""
+
+    def send(self, index: int, bucket: Bucket, segments: list[torch.Tensor]) -> None: ...
 
     def close(self) -> None: ...
 
 
 class BucketAssembler:
-    """Collects streamed (name, tensor) pairs and hands each bucket to the sinks as soon as it is complete, in plan
-    order. Raises if the stream disagrees with the plan (a name, dtype or shape the receivers do not expect)."""
+    """Collects the streamed tensors (runs of consecutive tensors stacked along a first dim) and hands each bucket to
+    the sinks as soon as it is complete, in plan order. Raises if the stream disagrees with the plan (a name, dtype
+    or shape the receivers do not expect)."""
 
     def __init__(self, buckets: list[Bucket], sinks: list[BucketSink]) -> None:
         self.buckets, self.sinks = buckets, sinks
         self.expected = {t.name: (i, t) for i, b in enumerate(buckets) for t in b.tensors}
-        self.pending: list[dict[str, torch.Tensor]] = [{} for _ in buckets]
+        self.segments: list[list[torch.Tensor]] = [[] for _ in buckets]
+        self.counts = [0] * len(buckets)
         self.next_bucket = 0
         self.num_bytes_sent = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.add_run([name], tensor.unsqueeze(0))
+
+    def add_run(self, names: list[str], stacked: torch.Tensor) -> None:
+        """Tensors `names`, consecutive in the stream, stacked along dim 0 of `stacked`."""
+        if stacked.shape[0] != len(names):
+            raise ValueError(f"weight stream: a run of {len(names)} names with {stacked.shape[0]} stacked tensors")
+        shape, dtype = tuple(stacked.shape[1:]), dtype_name(stacked.dtype)
+        start = 0
+        while start < len(names):
+            index = self._take(names[start], shape, dtype)
+            end = start + 1
+            while end < len(names) and self.expected.get(names[end], (None,))[0] == index:
+                self._take(names[end], shape, dtype)
+                end += 1
+            self.segments[index].append(stacked[start:end] if end - start < len(names) else stacked)
+            self.counts[index] += end - start
+            start = end
+        self._flush()
+
+    def _take(self, name: str, shape: tuple[int, ...], dtype: str) -> int:
         index, meta = self.expected.pop(name, (None, None))
         if meta is None:
             raise ValueError(f"weight stream: {name!r} is not in the plan, or came twice")
-        if tuple(tensor.shape) != meta.shape or dtype_name(tensor.dtype) != meta.dtype:
-            raise ValueError(f"weight stream: {name!r} is {TensorMeta.of(name, tensor)} but the plan says {meta}")
-        self.pending[index][name] = tensor
+        if shape != meta.shape or dtype != meta.dtype:
+            raise ValueError(f"weight stream: {name!r} is {TensorMeta(name, dtype, shape)} but the plan says {meta}")
+        return index
+
+    def _flush(self) -> None:
         while self.next_bucket < len(self.buckets):
-            bucket, got = self.buckets[self.next_bucket], self.pending[self.next_bucket]
-            if len(got) < len(bucket.tensors):
+            i, bucket = self.next_bucket, self.buckets[self.next_bucket]
+            if self.counts[i] < len(bucket.tensors):
                 return
-            tensors = [got[t.name] for t in bucket.tensors]
-            self.pending[self.next_bucket] = {}
+            segments, self.segments[i] = self.segments[i], []
             for sink in self.sinks:
-                sink.send(self.next_bucket, bucket, tensors)
+                sink.send(i, bucket, segments)
             self.num_bytes_sent += bucket.nbytes
             self.next_bucket += 1
 
@@ -217,10 +248,11 @@ class SafetensorsSink:
             return "model.safetensors"
         return f"model-{index + 1:05d}-of-{self.num_buckets:05d}.safetensors"
 
-    def send(self, index: int, bucket: Bucket, tensors: list[torch.Tensor]) -> None:
+    def send(self, index: int, bucket: Bucket, segments: list[torch.Tensor]) -> None:
         from safetensors.torch import save_file
 
         name = self.shard_name(index)
+        tensors = [x for segment in segments for x in segment.unbind(0)]
         # clone: exported tensors can be views sharing storage (unstacked experts), which safetensors refuses
         save_file(
             {t.name: x.detach().to("cpu").contiguous().clone() for t, x in zip(bucket.tensors, tensors, strict=True)},
@@ -243,8 +275,8 @@ class BroadcastSink:
     def __init__(self, group: "torch.distributed.ProcessGroup", device: torch.device) -> None:
         self.group, self.device = group, device
 
-    def send(self, index: int, bucket: Bucket, tensors: list[torch.Tensor]) -> None:
-        flat = pack([t.to(self.device) for t in tensors])
+    def send(self, index: int, bucket: Bucket, segments: list[torch.Tensor]) -> None:
+        flat = pack([t.to(self.device) for t in segments])
         broadcast(self.group, flat)
 
     def close(self) -> None:
@@ -310,11 +342,11 @@ class TolerantSink:
         self.sink = sink
         self.error: BaseException | None = None
 
-    def send(self, index: int, bucket, tensors) -> None:
+    def send(self, index: int, bucket, segments) -> None:
         if self.error is not None:
             return
         try:
-            self.sink.send(index, bucket, tensors)
+            self.sink.send(index, bucket, segments)
         except (RuntimeError, OSError) as e:  # torch.distributed reports a lost peer as RuntimeError/DistBackendError
             self.error = e
 
@@ -326,11 +358,11 @@ class TolerantSink:
                 self.error = e
 
 
-def stream_to(stream: Iterable[tuple[str, torch.Tensor]], manifest: Manifest, sinks: list[BucketSink]) -> None:
-    """Iterate the stream (every rank: the gathers are collectives) and hand each complete bucket to the sinks on a
-    background thread, so sending bucket k overlaps with gathering the layers after it."""
+def stream_to(stream: "RunStream", manifest: Manifest, sinks: list[BucketSink]) -> None:
+    """Iterate the stream's runs (every rank: the gathers are collectives) and hand each complete bucket to the sinks
+    on a background thread, so sending bucket k overlaps with gathering the layers after it."""
     if not sinks:
-        for _ in stream:
+        for _ in stream.runs():
             pass
         return
     jobs: queue.Queue = queue.Queue(maxsize=2)
@@ -347,8 +379,8 @@ def stream_to(stream: Iterable[tuple[str, torch.Tensor]], manifest: Manifest, si
                 failure.append(e)
 
     class _Queued:
-        def send(self, index: int, bucket, tensors) -> None:
-            jobs.put((index, bucket, tensors))
+        def send(self, index: int, bucket, segments) -> None:
+            jobs.put((index, bucket, segments))
 
         def close(self) -> None:
             pass
@@ -357,10 +389,10 @@ def stream_to(stream: Iterable[tuple[str, torch.Tensor]], manifest: Manifest, si
     thread.start()
     assembler = BucketAssembler(list(manifest.buckets), [_Queued()])
     try:
-        for name, tensor in stream:
+        for names, stacked in stream.runs():
             if failure:
                 raise failure[0]
-            assembler.add(name, tensor)
+            assembler.add_run(names, stacked)
         assembler.finish()
     finally:
         jobs.put(None)
