@@ -21,7 +21,7 @@ from starlette.routing import Route
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.orchestrator.loop import run_orchestrator
 from slipstream.orchestrator.weights import WeightSyncError
-from slipstream.rundir import WEIGHT_CHECKS_FILE
+from slipstream.rundir import WEIGHT_CHECKS_FILE, RunDir, step_dirs
 from slipstream.transport.rollouts import batch_path, read_batch
 from slipstream.transport.weights import PROBE, READY, weights_dir
 from slipstream.utils.fs import commit_dir
@@ -293,6 +293,8 @@ def test_loop_versions_and_weight_loads(tmp_path, async_level, publish_after, ve
     loaded_steps = [i for i in range(1, 3) if versions[i] != versions[i - 1]]
     assert all("weight_sync/max_abs_diff" in metrics[i] for i in loaded_steps)
     assert "weight_sync/max_abs_diff" not in metrics[0]
+    # Older published versions are deleted once a newer one is served (no checkpoints here, keep_weights 0).
+    assert sorted(step_dirs(RunDir(tmp_path).weights_root)) == [3]
 
 
 def test_frozen_policy_stops_the_run(tmp_path):

@@ -13,7 +13,8 @@ import slipstream.eval.tasks
 from slipstream.envs.reverse_text import ReverseTextEnv
 from slipstream.inference.sim import SimConfig, SimServer, serve_in_thread
 from slipstream.orchestrator.loop import orchestrate
-from slipstream.orchestrator.online_eval import ONLINE_EVAL_FILE, OnlineEvaluator, SharedLimiter
+from slipstream.orchestrator.online_eval import OnlineEvaluator, SharedLimiter
+from slipstream.rundir import ONLINE_EVAL_FILE
 from slipstream.transport.rollouts import batch_path, read_batch
 from tests.unit.test_async_pipeline import MODEL, config_for, publish
 

@@ -191,7 +191,11 @@ def test_tensor_parallel_must_divide_the_attention_heads(tmp_path):
         ({"deployment": {"run": []}}, r"deployment.run must list each"),
         ({"deployment": {"run": ["inference"]}}, r"every node must agree on how weights travel"),
         (
-            {"deployment": {"run": ["trainer", "orchestrator"]}, "weights": {"transport": "nccl"}},
+            {
+                "deployment": {"run": ["trainer", "orchestrator"]},
+                "weights": {"transport": "nccl"},
+                "orchestrator": {"inference_url": "http://10.0.0.3:8000"},
+            },
             r"set weights.master_addr to the trainer node's address",
         ),
         (
@@ -206,3 +210,12 @@ def test_tensor_parallel_must_divide_the_attention_heads(tmp_path):
 def test_config_rejects_impossible_requests(sections, message):
     with pytest.raises(ConfigError, match=message):
         rl(**sections)
+
+
+def test_collective_weights_between_roles_on_one_machine_need_no_master_addr():
+    config = rl(
+        deployment={"run": ["trainer", "orchestrator"]},
+        weights={"transport": "gloo"},
+        orchestrator={"inference_url": "http://127.0.0.1:8123"},
+    )
+    assert config.weights.master_addr == "127.0.0.1"  # inference is reached on loopback: the store is too

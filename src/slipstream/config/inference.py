@@ -1,4 +1,4 @@
-"""Config of the inference process: a vLLM OpenAI server plus Slipstream's weight-loading worker extension."""
+"""Config of the inference process: a vLLM OpenAI server plus Slipstream's weight-transfer engine."""
 
 from typing import Literal
 

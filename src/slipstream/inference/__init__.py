@@ -1,1 +1,1 @@
-"""Inference: vLLM's OpenAI server started with the right flags plus a worker extension that loads weights."""
+"""Inference: vLLM's OpenAI server started with the right flags plus Slipstream's weight-transfer engine (vLLM plugin)."""

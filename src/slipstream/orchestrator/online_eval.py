@@ -11,7 +11,6 @@ import json
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.envs.base import AnyEnvironment
@@ -21,9 +20,9 @@ from slipstream.eval.run import format_summary
 from slipstream.orchestrator.client import InferenceClient, InferenceUnavailable
 from slipstream.orchestrator.ledger import Signal
 from slipstream.orchestrator.weights import WeightRelay
+from slipstream.rundir import RunDir
 from slipstream.utils.fs import append_line
 
-ONLINE_EVAL_FILE = Path("eval") / "online.jsonl"
 """One line per online evaluation, relative to the run directory."""
 
 
@@ -70,7 +69,7 @@ class OnlineEvaluator:
         self.client, self.env, self.relay, self.limiter = client, env, relay, limiter
         self.config = config.eval
         self.sampling = config.eval.sampling or config.sampling
-        self.path = Path(config.output_dir) / ONLINE_EVAL_FILE
+        self.path = RunDir(config.output_dir).online_eval_path
         self.last_version: int | None = None
         """Version of the last evaluation started (finished or timed out)."""
         self.num_timeouts = 0

@@ -16,6 +16,7 @@ from slipstream.parallel.cp import ContextParallel
 from slipstream.parallel.dist import RankInfo, barrier, init_distributed, rank_device, read_rank_info
 from slipstream.parallel.fsdp import fsdp_param_dtype, parallelize_model
 from slipstream.parallel.mesh import ParallelDims, build_mesh, resolve_parallel_dims
+from slipstream.rundir import RunDir
 from slipstream.trainer.ckpt import CheckpointMeta, load_checkpoint, resolve_resume_step
 from slipstream.trainer.policy import Policy, load_model
 from slipstream.trainer.weights import build_probe_token_ids
@@ -174,7 +175,9 @@ def maybe_resume(trainer: Trainer, config: TrainerConfig) -> None:
     load_checkpoint(trainer.policy, trainer.optimizer, config.output_dir, trainer.checkpoint_meta(step), trainer.info)
     trainer.start_step = step
     if trainer.info.is_main:
-        print(f"resumed from {config.output_dir}/checkpoints/step_{step} at {trainer.world_size} rank(s)", flush=True)
+        print(
+            f"resumed from {RunDir(config.output_dir).checkpoint_dir(step)} at {trainer.world_size} rank(s)", flush=True
+        )
 
 
 def teardown_trainer(trainer: Trainer) -> None:

@@ -85,7 +85,6 @@ def publish_weights(
     return write_weights_folder(weights_dir(output_dir, step), stream, manifest, probe, files, is_main=True)
 
 
-
 class PublishedFiles:
     """What a published folder holds besides the tensors: config (in the published dtype), generation config,
     tokenizer."""

@@ -38,10 +38,9 @@ def is_delivered(output_dir: Path, step: int) -> bool:
 
 def latest_offered_step(output_dir: Path) -> int | None:
     """Newest step whose weights are offered for broadcast, or None."""
-    root = Path(output_dir) / "weights"
-    if not root.is_dir():
-        return None
-    steps = [int(p.name[5:]) for p in root.glob("step_*") if p.name[5:].isdigit() and (p / OFFER).exists()]
+    from slipstream.rundir import RunDir, step_dirs
+
+    steps = [s for s, path in step_dirs(RunDir(output_dir).weights_root).items() if (path / OFFER).exists()]
     return max(steps, default=None)
 
 
