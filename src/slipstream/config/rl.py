@@ -31,6 +31,7 @@ HELP_SKIP = tuple(f"--{section}.{key}" for key, sections in _SHARED.items() for 
     "--orchestrator.resume_step",
     "--trainer.resume_step",
     "--trainer.whole_run_checkpoints",
+    "--model.path",  # set by the launcher (the resolved model folder)
 )
 
 

@@ -33,9 +33,10 @@ class WeightsConfig(BaseConfig):
     master_port: int = Field(29611, ge=1, le=65535)
     """TCP port of the trainer's rendezvous store (collective transports)."""
 
-    accept_timeout_s: float = Field(3600.0, gt=0.0)
+    accept_timeout_s: float = Field(1500.0, gt=0.0, le=1800.0)
     """Collective transports: how long the trainer waits for inference to take an offered version (the orchestrator
-    may hold updates during an online evaluation) before it fails with a message."""
+    may hold updates during an online evaluation) before it fails with a message. At most 1800 s: the trainer's
+    other ranks wait in a collective meanwhile, whose timeout is 30 minutes."""
 
     keep_weights: int = Field(0, ge=0)
     """Published `weights/step_N/` folders kept beyond those still needed (the served version, versions being loaded
