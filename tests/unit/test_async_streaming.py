@@ -171,3 +171,20 @@ def test_streamed_tool_call_deltas_assemble_into_a_message():
         [3] * 4,
     )
     assert turn.finish_reason == "tool_calls"
+
+
+def test_stream_chunks_keep_unicode_line_separators_inside_json():
+    """Generated text may hold U+2028 / U+0085, which JSON leaves unescaped: a chunk must not be cut there."""
+    import httpx
+
+    from slipstream.orchestrator.client import _sse_chunks
+
+    texts = ["a\u2028b", "c\x85d\x1ce", "f\rg"]
+    body = "".join(f"data: {json.dumps({'text': t}, ensure_ascii=False)}\r\n\r\n" for t in texts) + "data: [DONE]\n\n"
+
+    async def scenario() -> list[str]:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body.encode()))
+        async with httpx.AsyncClient(transport=transport) as http, http.stream("GET", "http://x/") as response:
+            return [chunk["text"] async for chunk in _sse_chunks(response, "test")]
+
+    assert asyncio.run(scenario()) == texts

@@ -308,9 +308,23 @@ class _ServerErrorChunk(InferenceError):
     """A mid-stream error chunk with a 5xx code (the stream's client turns it into InferenceUnavailable)."""
 
 
+async def _sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The body's lines as server-sent events define them (ended by \\n, \\r\\n or \\r). Not httpx's aiter_lines:
+    it also splits on Unicode line separators (U+2028, U+0085, ...) that JSON leaves unescaped inside strings, which
+    cuts a chunk whose generated text holds one."""
+    buffer = ""
+    async for text in response.aiter_text():
+        buffer += text
+        *lines, buffer = buffer.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+        for line in lines:
+            yield line
+    if buffer:
+        yield buffer
+
+
 async def _sse_chunks(response: httpx.Response, where: str) -> AsyncIterator[dict]:
     """Decode a server-sent-event body of `data: <json>` lines until `data: [DONE]`."""
-    async for line in response.aiter_lines():
+    async for line in _sse_lines(response):
         if not line.startswith("data:"):
             continue  # blank separators (and comments) between events
         data = line[len("data:") :].strip()
