@@ -10,33 +10,18 @@ import json
 import os
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
 from slipstream.transport.weight_offers import read_manifest
 from slipstream.transport.weights import READY, weights_dir
-from tests.e2e.helpers import free_port, write_config
+from tests.e2e.helpers import free_port, wait_healthy, write_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 CUDA GPUs")]
 MAX_STEPS = 5
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the simulated server exited"
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
 
 
 def test_rl_trainer_fsdp2_sends_weights_over_nccl_to_a_third_gpu(tiny_qwen3_dir, tmp_path):
@@ -48,7 +33,7 @@ def test_rl_trainer_fsdp2_sends_weights_over_nccl_to_a_third_gpu(tiny_qwen3_dir,
     with open(sim_log, "w") as log:
         sim = subprocess.Popen(sim_argv, env=sim_env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}", sim)
+        wait_healthy(sim, f"http://127.0.0.1:{port}", sim_log)
         config = {
             "max_steps": MAX_STEPS,
             "output_dir": str(out),

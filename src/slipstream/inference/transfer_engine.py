@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
-    WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
 
@@ -22,19 +21,6 @@ from slipstream.transport.collective import GroupInit
 from slipstream.transport.weight_receiver import WeightReceiver
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SlipstreamInitInfo(WeightTransferInitInfo):
-    """How this worker joins the trainer's group (see transport.collective.GroupInit)."""
-
-    backend: str
-    master_addr: str
-    master_port: int
-    session: str
-    world_size: int
-    rank_offset: int = 1
-    timeout_s: float = 600.0
 
 
 @dataclass
@@ -46,8 +32,9 @@ class SlipstreamUpdateInfo(WeightTransferUpdateInfo):
     manifest: dict[str, Any] | None = field(default=None)
 
 
-class SlipstreamWeightTransferEngine(WeightTransferEngine[SlipstreamInitInfo, SlipstreamUpdateInfo]):
-    init_info_cls = SlipstreamInitInfo
+class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamUpdateInfo]):
+    init_info_cls = GroupInit
+    """How this worker joins the trainer's group: transport.collective.GroupInit (validated on parsing)."""
     update_info_cls = SlipstreamUpdateInfo
     supports_draft_weight_update = False
 
@@ -59,8 +46,8 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[SlipstreamInitInfo, Sl
         self._tied: list[list[str]] = []
         self._loaded: set[str] = set()
 
-    def init_transfer_engine(self, init_info: SlipstreamInitInfo) -> None:
-        self.receiver.join(GroupInit(**asdict(init_info)))
+    def init_transfer_engine(self, init_info: GroupInit) -> None:
+        self.receiver.join(init_info)
         logger.info("slipstream weight transfer: joined session %s (%s)", init_info.session, init_info.backend)
 
     def start_weight_update(self) -> None:
