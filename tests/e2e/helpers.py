@@ -17,9 +17,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def processes_with_marker(marker: str) -> list[int]:
-    """PIDs of live processes whose environment carries `marker` (every descendant of a run inherits it)."""
-    needle = f"{MARKER_VAR}={marker}".encode()
+def processes_with_marker(marker: str, var: str = MARKER_VAR) -> list[int]:
+    """PIDs of live processes whose environment sets `var` to `marker` (every descendant of a run inherits it)."""
+    needle = f"{var}={marker}".encode()
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():

@@ -31,18 +31,7 @@ def _rl(config_path: Path, env: dict, log_dir: Path, name: str, *extra: str) -> 
 
 def _marked_by_run_dir(run_dir: Path) -> list[int]:
     """Live processes whose environment carries this run's SLIPSTREAM_RUN_DIR (read from /proc/<pid>/environ)."""
-    needle = f"{RUN_DIR_ENV}={run_dir.resolve()}".encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                    pids.append(int(entry.name))
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    return pids
+    return processes_with_marker(str(run_dir.resolve()), var=RUN_DIR_ENV)
 
 
 def _holding_files_under(run_dir: Path) -> dict[int, str]:
