@@ -48,6 +48,8 @@ class FakeVLLM:
         self.calls: list[str] = []
         self.true_versions: dict[str, list[list[int]]] = {}
         """Request id -> per choice, the version that produced each token (what stamping should recover)."""
+        self.request_texts: dict[str, str] = {}
+        """Request id -> the last user message (concurrent requests reach the server in any order)."""
         self.closed_streams: list[str] = []
         """Request ids whose stream ended before the last chunk (client disconnect)."""
         routes = [
@@ -117,6 +119,7 @@ class FakeVLLM:
         request_id = f"chatcmpl-{len(self.calls)}"
         self.calls.append(f"chat:{body['cache_salt']}")
         text = body["messages"][-1]["content"]
+        self.request_texts[request_id] = text
         prompt_ids = list((body["messages"][0]["content"] + text).encode())
         answers = [f"<reversed_text>{text[::-1]}</reversed_text>", text, "no idea"]
         choices = [list(answers[i % len(answers)].encode())[: body["max_completion_tokens"]] for i in range(body["n"])]
