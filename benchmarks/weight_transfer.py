@@ -1,5 +1,6 @@
 """Weight transfer benchmark (GPU): the trainer's weight stream (trainer/weight_export.py: FSDP gathers one layer at a
-time, cast to bf16, HF names, dtype-grouped buckets; rank 0 broadcasts each bucket while the next layer is gathered)
+time in bf16 as the trainer's mixed-precision policy does, HF names; each layer copied and cast into reused
+dtype-grouped bucket buffers; rank 0 broadcasts each bucket while the next layer is gathered)
 into receiver processes running the receive-and-load code of Slipstream's vLLM engine (transport/weight_receiver.py;
 "load" copies every tensor into the receiver's own preallocated bf16 parameters, as vLLM's load_weights does).
 
@@ -67,9 +68,12 @@ def build_model(name: str, device: torch.device, fsdp_mesh=None) -> torch.nn.Mod
     if fsdp_mesh is not None:
         from torch.distributed.fsdp import fully_shard
 
+        from slipstream.parallel.fsdp import build_mp_policy
+
+        policy = build_mp_policy(torch.bfloat16, "cuda")  # the trainer's: FSDP all-gathers bf16 parameters
         for block in model.layers:
-            fully_shard(block, mesh=fsdp_mesh)
-        fully_shard(model, mesh=fsdp_mesh)
+            fully_shard(block, mesh=fsdp_mesh, mp_policy=policy)
+        fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
     model.to_empty(device=device)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -80,7 +84,7 @@ def build_model(name: str, device: torch.device, fsdp_mesh=None) -> torch.nn.Mod
 
 def sender(rank: int, args: dict, stream, manifest, group, results: dict) -> None:
     """Trainer rank `rank`: raw broadcast baseline, then the stream REPEATS times, then the filesystem path."""
-    from slipstream.transport.weight_stream import BroadcastSink, SafetensorsSink, broadcast, stream_to
+    from slipstream.transport.weight_stream import BroadcastSink, BucketBuffers, SafetensorsSink, broadcast, stream_to
 
     device = torch.device("cuda", torch.cuda.current_device())
     bucket_bytes = max(b.nbytes for b in manifest.buckets)
@@ -95,10 +99,11 @@ def sender(rank: int, args: dict, stream, manifest, group, results: dict) -> Non
         results["raw_gbps"] = bucket_bytes * RAW_ITERS / (time.perf_counter() - start) / 1e9
         del buf
     times = []
+    buffers = BucketBuffers()  # kept from one version to the next, as the trainer's publisher does
     for _ in range(REPEATS + 1):  # the first is a warm-up
         _trainer_barrier(args)
         start = time.perf_counter()
-        stream_to(stream, manifest, [BroadcastSink(group, device)] if rank == 0 else [])
+        stream_to(stream, manifest, [BroadcastSink(group, device)] if rank == 0 else [], buffers)
         if rank == 0:
             _sync(group)  # every receiver has loaded the last bucket
             torch.cuda.synchronize()
@@ -111,7 +116,7 @@ def sender(rank: int, args: dict, stream, manifest, group, results: dict) -> Non
     start = time.perf_counter()
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
-        stream_to(stream, manifest, [SafetensorsSink(folder, len(manifest.buckets))])
+        stream_to(stream, manifest, [SafetensorsSink(folder, len(manifest.buckets))], buffers)
         os.sync()
         (folder / "READY").write_text("1\n")
         results["fs_write_s"] = time.perf_counter() - start

@@ -1,15 +1,20 @@
-"""The weight stream's bucket plan, packing and assembly: buckets group one dtype, close when the next tensor would
-overflow them and complete in plan order; packed bytes round-trip; a stream that disagrees with its plan is refused."""
+"""The weight stream's bucket plan and assembly: buckets group one dtype, close when the next tensor would overflow
+them and complete in plan order; tensors are cast into reused bucket buffers and round-trip; a slot is rewritten only
+after the bucket before it was sent; a stream that disagrees with its plan is refused."""
+
+import threading
 
 import pytest
 import torch
 
 from slipstream.transport.weight_stream import (
     BucketAssembler,
+    BucketBuffers,
     Manifest,
+    Run,
     TensorMeta,
-    pack,
     plan_buckets,
+    stream_to,
     unpack,
 )
 
@@ -36,43 +41,126 @@ def test_buckets_group_one_dtype_and_close_in_completion_order():
         Manifest.from_dict({**manifest.to_dict(), "version": 99})
 
 
-def test_pack_takes_back_to_back_slices_as_one_run_and_round_trips():
-    stacked = torch.arange(24, dtype=torch.bfloat16).view(4, 6)
-    other = torch.randn(3, dtype=torch.bfloat16)
-    flat = pack([stacked[0:2], stacked[2:4], other])
-    assert flat.dtype == torch.uint8 and flat.numel() == (24 + 3) * 2
-    bucket = plan_buckets([_meta(f"e{i}", "bfloat16", 6) for i in range(4)] + [_meta("o", "bfloat16", 3)], 1 << 20)[0]
-    got = dict(unpack(flat, bucket))
-    assert all(torch.equal(got[f"e{i}"], stacked[i]) for i in range(4)) and torch.equal(got["o"], other)
+def test_assembler_casts_runs_into_reused_buffers_and_round_trips():
+    metas = [_meta(f"e{i}", "bfloat16", 2, 3) for i in range(4)] + [_meta("o", "bfloat16", 3)]
+    buckets = plan_buckets(metas, bucket_bytes=2 * 12 + 6)  # e0 e1 | e2 e3 o: a run of four spans two buckets
+    sent: list[tuple[int, dict[str, torch.Tensor], int]] = []
+
+    class Sink:
+        def send(self, index, bucket, flat):
+            sent.append((index, {n: t.clone() for n, t in unpack(flat, bucket)}, flat.data_ptr()))
+
+        def close(self):
+            pass
+
+    buffers = BucketBuffers(num_slots=2)
+    for version in range(2):  # the second version reuses the first one's buffers
+        stacked = torch.randn(4, 2, 3) + version  # float32 values: cast to the plan's bfloat16 on the way in
+        other = torch.randn(3)
+        asm = BucketAssembler(buckets, [Sink()], buffers)
+        asm.add_run([f"e{i}" for i in range(4)], stacked)
+        asm.add("o", other)
+        asm.finish()
+        got = {n: t for _, tensors, _ in sent[-2:] for n, t in tensors.items()}
+        assert all(torch.equal(got[f"e{i}"], stacked[i].bfloat16()) for i in range(4))
+        assert torch.equal(got["o"], other.bfloat16()) and got["o"].dtype == torch.bfloat16
+    assert [i for i, _, _ in sent] == [0, 1, 0, 1]
+    assert len({ptr for _, _, ptr in sent}) == 2  # two slots, reused
+    with pytest.raises(ValueError, match="num_slots"):
+        BucketBuffers(num_slots=1)
 
 
 def test_assembler_sends_each_bucket_once_complete_and_refuses_a_stream_off_the_plan():
     metas = [_meta(f"x{i}", "float32", 2) for i in range(4)]
     buckets = plan_buckets(metas, bucket_bytes=16)  # two tensors a bucket
-    sent: list[tuple[int, list[torch.Tensor]]] = []
+    sent: list[tuple[int, list[float]]] = []
 
     class Sink:
-        def send(self, index, bucket, segments):
-            sent.append((index, segments))
+        def send(self, index, bucket, flat):
+            sent.append((index, flat.view(torch.float32).tolist()))
 
         def close(self):
             sent.append((-1, []))
 
-    asm = BucketAssembler(buckets, [Sink()])
+    buffers = BucketBuffers(num_slots=2)
+    asm = BucketAssembler(buckets, [Sink()], buffers)
     asm.add("x0", torch.zeros(2))
     assert sent == []
     asm.add_run(["x1", "x2"], torch.ones(2, 2))  # a run that spans two buckets is split between them
-    assert [i for i, _ in sent] == [0]
-    asm.add("x3", torch.zeros(2))
+    assert sent == [(0, [0.0, 0.0, 1.0, 1.0])]
+    asm.add("x3", torch.full((2,), 3.0))
     asm.finish()
-    assert [i for i, _ in sent] == [0, 1, -1] and [s.shape[0] for s in sent[1][1]] == [1, 1]
+    assert sent[1:] == [(1, [1.0, 1.0, 3.0, 3.0]), (-1, [])]
     with pytest.raises(ValueError, match="not in the plan, or came twice"):
         BucketAssembler(buckets, []).add("nope", torch.zeros(2))
     with pytest.raises(ValueError, match="but the plan says"):
         BucketAssembler(buckets, []).add("x0", torch.zeros(3))
-    with pytest.raises(ValueError, match="but the plan says"):
-        BucketAssembler(buckets, []).add("x0", torch.zeros(2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="2 stacked tensors"):
+        BucketAssembler(buckets, []).add_run(["x0"], torch.zeros(2, 2))
     short = BucketAssembler(buckets, [])
     short.add("x0", torch.zeros(2))
     with pytest.raises(ValueError, match="ended before 3 tensor"):
         short.finish()
+
+
+def test_slots_wait_for_the_bucket_sent_before():
+    """With two slots, bucket 2 reuses bucket 0's buffer: writing it waits until bucket 0 was released."""
+    metas = [_meta(f"x{i}", "float32", 2) for i in range(3)]
+    buckets = plan_buckets(metas, bucket_bytes=8)
+    buffers = BucketBuffers(num_slots=2)
+    asm = BucketAssembler(buckets, [], buffers)
+    asm.add("x0", torch.zeros(2))
+    asm.add("x1", torch.zeros(2))
+    done = threading.Event()
+    writer = threading.Thread(target=lambda: (asm.add("x2", torch.zeros(2)), done.set()))
+    writer.start()
+    assert not done.wait(0.2)
+    buffers.release(0)
+    assert done.wait(5)
+    writer.join()
+
+
+def test_stream_to_sends_every_bucket_through_the_sender_thread():
+    metas = [_meta(f"l{k}.w", "bfloat16", 4) for k in range(5)]
+    buckets = plan_buckets(metas, bucket_bytes=16)  # two layers a bucket, three buckets, two slots
+    values = [torch.randn(4) for _ in range(5)]
+
+    class Stream:
+        def layers(self):
+            for k, v in enumerate(values):
+                yield [Run([f"l{k}.w"], v, False)]
+
+    got: dict[str, torch.Tensor] = {}
+
+    class Sink:
+        def send(self, index, bucket, flat):
+            got.update({n: t.clone() for n, t in unpack(flat, bucket)})
+
+        def close(self):
+            pass
+
+    stream_to(Stream(), Manifest(1, tuple(buckets)), [Sink()], BucketBuffers(num_slots=2))
+    assert all(torch.equal(got[f"l{k}.w"], values[k].bfloat16()) for k in range(5))
+
+
+def test_a_layer_spanning_more_buckets_than_slots_is_sent_as_it_goes():
+    """One layer's runs fill five buckets with two slots: completed buckets go out before a slot is reused."""
+    metas = [_meta(f"x{i}", "float32", 2) for i in range(5)]
+    buckets = plan_buckets(metas, bucket_bytes=8)
+    values = torch.arange(10, dtype=torch.float32).view(5, 2)
+
+    class Stream:
+        def layers(self):
+            yield [Run([f"x{i}"], values[i], False) for i in range(5)]
+
+    got: list[list[float]] = []
+
+    class Sink:
+        def send(self, index, bucket, flat):
+            got.append(flat.view(torch.float32).tolist())
+
+        def close(self):
+            pass
+
+    stream_to(Stream(), Manifest(1, tuple(buckets)), [Sink()], BucketBuffers(num_slots=2))
+    assert got == values.tolist()

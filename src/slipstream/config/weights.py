@@ -24,7 +24,8 @@ class WeightsConfig(BaseConfig):
 
     bucket_mb: int = Field(512, ge=1)
     """Size of one transfer bucket in MiB: tensors of one dtype are packed into flat buffers of at most this size
-    (a tensor larger than a bucket travels alone)."""
+    (a tensor larger than a bucket travels alone). Trainer rank 0 keeps up to 3 such buffers (the model's largest
+    bucket each) on its device between versions; the receivers hold two while receiving."""
 
     master_addr: str = "127.0.0.1"
     """Address the trainer's rendezvous store listens on (collective transports); inference workers connect to it.

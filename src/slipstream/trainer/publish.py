@@ -39,6 +39,7 @@ from slipstream.transport.weight_offers import (
 )
 from slipstream.transport.weight_stream import (
     BroadcastSink,
+    BucketBuffers,
     BucketSink,
     Manifest,
     SafetensorsSink,
@@ -72,6 +73,10 @@ class WeightPublisher:
             w = config.weights
             self.store = open_store(w.master_addr, w.master_port, is_master=True, timeout_s=w.accept_timeout_s)
         self.files = PublishedFiles(trainer.hf_config, trainer.compute_dtype, trainer.tokenizer, trainer.model_dir)
+        self.stream = HFWeightStream(trainer.model, trainer.compute_dtype)  # the per-layer plan, built once
+        self.buckets = tuple(plan_buckets(self.stream.metas(), self.bucket_bytes))
+        self.buffers = BucketBuffers()
+        """Rank 0's bucket buffers (3 buckets of `weights.bucket_mb`), kept from one version to the next."""
 
     @property
     def is_main(self) -> bool:
@@ -81,8 +86,8 @@ class WeightPublisher:
         """Publish version `step`; returns metrics (bytes, seconds, attempts)."""
         start = time.perf_counter()
         probe = probe_logprobs(self.trainer)
-        stream = HFWeightStream(self.trainer.model, self.trainer.compute_dtype)
-        manifest = Manifest(step, tuple(plan_buckets(stream.metas(), self.bucket_bytes)))
+        stream = self.stream
+        manifest = Manifest(step, self.buckets)
         t_probe = time.perf_counter()
         if self.transport == "filesystem":
             attempts = self._publish_files(step, stream, manifest, probe)
@@ -105,7 +110,7 @@ class WeightPublisher:
 
     def _publish_files(self, step: int, stream: HFWeightStream, manifest: Manifest, probe: dict) -> int:
         folder = weights_dir(self.config.output_dir, step)
-        write_weights_folder(folder, stream, manifest, probe, self.files, self.is_main)
+        write_weights_folder(folder, stream, manifest, probe, self.files, self.is_main, self.buffers)
         return 1
 
     def _publish_broadcast(self, step: int, stream: HFWeightStream, manifest: Manifest, probe: dict) -> int:
@@ -127,7 +132,7 @@ class WeightPublisher:
                 sinks.append(sender)
                 if files:
                     sinks.append(SafetensorsSink(folder, len(manifest.buckets)))
-            stream_to(stream, manifest, sinks)
+            stream_to(stream, manifest, sinks, self.buffers)
             ok = self._agree(sender is None or sender.error is None)
             if ok:
                 break

@@ -1,10 +1,11 @@
 """The trainer's model as a stream of Hugging Face tensors, one layer at a time: every rank gathers a layer's FSDP
 shards (the layer's FSDP unit is unsharded in one all-gather, the next layer's gather already in flight; parameters
 outside any unit fall back to `full_tensor()`; all collectives, so all ranks iterate in lockstep), the tensors are
-cast to the published dtype and renamed (our models through their family's adapter, experts unstacked), and only
+renamed (our models through their family's adapter, experts unstacked), and only
 that layer is held in full.
 
 The stream's metadata (names, dtypes, shapes) is known before any gather, so the bucket plan can be sent first.
+The tensors are cast to the published dtype where they are copied into their bucket (transport/weight_stream.py).
 """
 
 import re
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from slipstream.transport.weight_stream import TensorMeta
+from slipstream.transport.weight_stream import Run, TensorMeta
 
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 """Name parts added by activation checkpointing, torch.compile and wrappers; not part of the model's names."""
@@ -51,74 +52,84 @@ def layer_groups(names: list[str]) -> list[list[str]]:
 
 
 class HFWeightStream:
-    """Iterate `model` (ours or transformers', possibly FSDP-sharded) as (HF name, full tensor in `dtype`)."""
+    """Iterate `model` (ours or transformers', possibly FSDP-sharded) layer by layer as runs of HF tensors; the
+    published dtype `dtype` is what the metadata (and so the bucket plan) says: the tensors themselves come in the
+    model's dtype and are cast where they are copied into their bucket. Build it once per model: the per-layer plan
+    (which module attribute holds which HF tensors, which FSDP units to unshard) is computed here, so a version
+    costs a few Python operations per tensor."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
         from slipstream.trainer.logprobs import is_custom_model
 
         self.dtype = dtype
-        self.tensors = _named_tensors(model)
-        self.locations = _locations(model)
-        self.parents = {id(child): module for module in model.modules() for child in module.children()}
+        tensors = _named_tensors(model)
+        locations = _locations(model)
+        parents = {id(child): module for module in model.modules() for child in module.children()}
         if is_custom_model(model):
-            pieces = _custom_pieces(model, self.tensors)
+            pieces = _custom_pieces(model, tensors)
         else:
-            pieces = {name: [_Piece(name, name, None, tuple(t.shape))] for name, t in self.tensors.items()}
-        self.groups = [[p for source in group for p in pieces[source]] for group in layer_groups(list(pieces))]
+            pieces = {name: [_Piece(name, name, None, tuple(t.shape))] for name, t in tensors.items()}
+        groups = [[p for source in group for p in pieces[source]] for group in layer_groups(list(pieces))]
+        self.metas_ = [
+            TensorMeta(p.hf_name, str(dtype).removeprefix("torch."), p.shape) for group in groups for p in group
+        ]
+        self.plan = [[_entry(locations[source], ps) for source, ps in _by_source(group)] for group in groups]
+        self.owners = [_fsdp_owners([locations[p.source][0] for p in group], parents) for group in groups]
 
     def metas(self) -> list[TensorMeta]:
-        dtype = str(self.dtype).removeprefix("torch.")
-        return [TensorMeta(p.hf_name, dtype, p.shape) for group in self.groups for p in group]
+        return list(self.metas_)
 
     @property
     def num_bytes(self) -> int:
-        return sum(m.nbytes for m in self.metas())
+        return sum(m.nbytes for m in self.metas_)
 
-    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
-        for names, stacked in self.runs():
-            yield from zip(names, stacked.unbind(0), strict=True)
+    @torch.no_grad()
+    def layers(self) -> Iterator[list[Run]]:
+        """Each layer's runs, in stream order: a layer's FSDP units are unsharded (the next layer's already in
+        flight) while its runs are consumed, and resharded when the next layer is requested."""
+        from torch.distributed.tensor import DTensor
 
-    def runs(self) -> Iterator[tuple[list[str], Tensor]]:
-        """(names, stacked): each gathered tensor once, as the run of HF tensors it holds (a layer's experts of one
-        projection come as one [E, ...] run; any other tensor as a run of one), in stream order."""
-        owners = [self._fsdp_owners(group) for group in self.groups]
-        handles = _unshard(owners[0]) if owners else []
-        for k, group in enumerate(self.groups):
+        handles = _unshard(self.owners[0]) if self.owners else []
+        for k, entries in enumerate(self.plan):
             for handle in handles:
                 handle.wait()
-            handles = _unshard(owners[k + 1]) if k + 1 < len(owners) else []  # prefetch: overlaps this layer's work
-            for source, pieces in _by_source(group):
-                live = self._live(source)
-                full = _owned(_gather(live).to(self.dtype), live)
-                names = [p.hf_name for p in pieces]
-                if pieces[0].index is None:
-                    yield names, full.unsqueeze(0)
+            handles = _unshard(self.owners[k + 1]) if k + 1 < len(self.owners) else []  # overlaps this layer
+            runs = []
+            for module, attr, names, first in entries:
+                tensor = getattr(module, attr)  # FSDP swaps in the unsharded parameter while its unit is unsharded
+                if isinstance(tensor, DTensor):
+                    tensor = tensor.full_tensor()  # outside any unit: gathered alone
+                if first is None:
+                    runs.append(Run(names, tensor, False))
                 else:
-                    first = pieces[0].index
-                    if [p.index for p in pieces] != list(range(first, first + len(pieces))):
-                        raise ValueError(f"the HF tensors of {source} do not come in index order")
-                    yield names, full[first : first + len(pieces)]
-                del full
-            for module in owners[k]:
+                    runs.append(Run(names, tensor[first : first + len(names)], True))
+            yield runs
+            for module in self.owners[k]:
                 module.reshard()
 
-    def _live(self, name: str) -> Tensor:
-        """The tensor now registered under `name` (FSDP swaps in unsharded parameters while a unit is unsharded)."""
-        module, attr = self.locations[name]
-        return getattr(module, attr)
 
-    def _fsdp_owners(self, group: list[_Piece]) -> list[nn.Module]:
-        """The FSDP units directly holding the group's tensors (none without FSDP)."""
-        from torch.distributed.fsdp import FSDPModule
+def _entry(location: tuple[nn.Module, str], pieces: list[_Piece]) -> tuple[nn.Module, str, list[str], int | None]:
+    """(module, attribute, HF names, first index or None): one run of HF tensors taken from one of our tensors."""
+    names = [p.hf_name for p in pieces]
+    if pieces[0].index is None:
+        return (*location, names, None)
+    first = pieces[0].index
+    if [p.index for p in pieces] != list(range(first, first + len(pieces))):
+        raise ValueError(f"the HF tensors of {pieces[0].source} do not come in index order")
+    return (*location, names, first)
 
-        owners: dict[int, nn.Module] = {}
-        for piece in group:
-            module = self.locations[piece.source][0]
-            while module is not None and not isinstance(module, FSDPModule):
-                module = self.parents.get(id(module))
-            if module is not None:
-                owners[id(module)] = module
-        return list(owners.values())
+
+def _fsdp_owners(modules: list[nn.Module], parents: dict[int, nn.Module]) -> list[nn.Module]:
+    """The FSDP units directly holding tensors of these modules (none without FSDP)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    owners: dict[int, nn.Module] = {}
+    for module in modules:
+        while module is not None and not isinstance(module, FSDPModule):
+            module = parents.get(id(module))
+        if module is not None:
+            owners[id(module)] = module
+    return list(owners.values())
 
 
 def _by_source(group: list[_Piece]) -> list[tuple[str, list[_Piece]]]:
@@ -132,16 +143,6 @@ def _by_source(group: list[_Piece]) -> list[tuple[str, list[_Piece]]]:
     return out
 
 
-def _owned(tensor: Tensor, live: Tensor) -> Tensor:
-    """`tensor`, copied if it still is the module's own tensor (same dtype, no gather): resharding an FSDP unit frees
-    that storage, and training changes it in place, while the sinks may still be reading it on their thread."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(live, DTensor) and tensor.data_ptr() == live.data_ptr():
-        return tensor.clone()
-    return tensor
-
-
 def _unshard(modules: list[nn.Module]) -> list:
     return [h for h in (m.unshard(async_op=True) for m in modules) if h is not None]
 
@@ -153,13 +154,6 @@ def _locations(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
         for attr, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             out.setdefault(clean_name(f"{prefix}.{attr}" if prefix else attr), (module, attr))
     return out
-
-
-@torch.no_grad()
-def _gather(tensor: Tensor) -> Tensor:
-    """The whole tensor on this rank's device (a collective for FSDP's DTensors)."""
-    full_tensor = getattr(tensor, "full_tensor", None)
-    return (full_tensor() if callable(full_tensor) else tensor).detach()
 
 
 def _named_tensors(model: nn.Module) -> dict[str, Tensor]:

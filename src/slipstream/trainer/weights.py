@@ -117,9 +117,12 @@ def model_hf_config(model: nn.Module, source_dir: Path | None):
     return model.config
 
 
-def write_weights_folder(final_dir: Path, stream, manifest, probe: dict, files: PublishedFiles, is_main: bool) -> Path:
+def write_weights_folder(
+    final_dir: Path, stream, manifest, probe: dict, files: PublishedFiles, is_main: bool, buffers=None
+) -> Path:
     """Stream the weights into a temporary folder (rank 0 writes; every rank iterates `stream`, whose gathers are
-    collectives), add the other files and READY, and rename it to `final_dir`."""
+    collectives), add the other files and READY, and rename it to `final_dir`. `buffers`: the caller's
+    BucketBuffers, kept from one version to the next."""
     from slipstream.transport.weight_stream import SafetensorsSink, stream_to
 
     if not is_main:
@@ -129,7 +132,7 @@ def write_weights_folder(final_dir: Path, stream, manifest, probe: dict, files: 
     if tmp_dir.exists():
         shutil.rmtree(tmp_dir)
     tmp_dir.mkdir(parents=True)
-    stream_to(stream, manifest, [SafetensorsSink(tmp_dir, len(manifest.buckets))])
+    stream_to(stream, manifest, [SafetensorsSink(tmp_dir, len(manifest.buckets))], buffers)
     files.write(tmp_dir, manifest, probe)
     atomic_write_text(tmp_dir / READY, f"{manifest.step}\n")
     make_world_readable(tmp_dir)

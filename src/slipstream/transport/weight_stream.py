@@ -8,14 +8,16 @@ plan's order is the order in which buckets complete, so a sender can ship each b
 has been gathered while later layers are still being gathered.
 """
 
+import contextlib
 import functools
+import itertools
 import json
 import queue
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -121,29 +123,6 @@ def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> list[Bucket]
     return closed
 
 
-def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One flat uint8 buffer holding the tensors' bytes back to back. Tensors that already lie back to back in one
-    storage (the experts of a stacked [E, ...] tensor) are taken as one run, so a layer's experts cost one copy."""
-    runs: list[torch.Tensor] = []
-    storage, start, end = None, 0, 0
-    for t in tensors:
-        t = t.contiguous()
-        offset, size = t.storage_offset() * t.element_size(), t.numel() * t.element_size()
-        if storage is not None and t.untyped_storage().data_ptr() == storage.data_ptr() and offset == end:
-            end += size
-            continue
-        if storage is not None:
-            runs.append(_byte_view(storage, start, end, t.device))
-        storage, start, end = t.untyped_storage(), offset, offset + size
-    if storage is not None:
-        runs.append(_byte_view(storage, start, end, tensors[-1].device))
-    return runs[0] if len(runs) == 1 else torch.cat(runs)
-
-
-def _byte_view(storage: torch.UntypedStorage, start: int, end: int, device: torch.device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, start, (end - start,), (1,))
-
-
 def unpack(flat: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
     """Views into `flat` (uint8) for each tensor of `bucket`."""
     out, offset = [], 0
@@ -157,71 +136,167 @@ def unpack(flat: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tensor]]
     return out
 
 
-class RunStream(Protocol):
-    """A weight stream: `runs()` yields (names, stacked) for consecutive tensors of the stream stacked along dim 0
-    (single tensors as runs of one), in stream order."""
+class Run(NamedTuple):
+    """Consecutive tensors of a stream: `names` in stream order and their values, either one tensor (`stacked`
+    False, one name) or stacked along dim 0 (a layer's experts of one projection). The values may be in any dtype
+    (the bucket's dtype is what travels) and are only valid until the stream's next layer is requested."""
 
-    def runs(self) -> Iterator[tuple[list[str], torch.Tensor]]: ...
+    names: list[str]
+    tensor: torch.Tensor
+    stacked: bool
+
+
+class LayerStream(Protocol):
+    """A weight stream: `layers()` yields, in stream order, each layer's runs (every rank: gathers are collectives)."""
+
+    def layers(self) -> Iterator[list[Run]]: ...
 
 
 class BucketSink(Protocol):
-    """Where a sender's completed buckets go. `segments` hold the bucket's tensors in order, stacked: segment i has
-    shape [n_i, *shape] and covers the next n_i tensors (a layer's experts travel as one segment)."""
+    """Where a sender's completed buckets go: `flat` holds the bucket's bytes (`unpack` gives its tensors) and may be
+    reused for another bucket once `send` returns."""
 
-    def send(self, index: int, bucket: Bucket, segments: list[torch.Tensor]) -> None: ...
+    def send(self, index: int, bucket: Bucket, flat: torch.Tensor) -> None: ...
 
     def close(self) -> None: ...
 
 
-class BucketAssembler:
-    """Collects the streamed tensors (runs of consecutive tensors stacked along a first dim) and hands each bucket to
-    the sinks as soon as it is complete, in plan order. Raises if the stream disagrees with the plan (a name, dtype
-    or shape the receivers do not expect)."""
+class BucketBuffers:
+    """The flat buffers a sender assembles buckets in, kept from one version to the next (the plan is the same every
+    step): with one dtype, buckets open and complete in plan order and bucket i is written into slot i % slots once
+    the bucket that used the slot before has been sent; with several dtypes (buckets open side by side) every
+    bucket has its own slot. The typed views of the tensors inside each bucket are made once per plan, so assembling
+    a layer costs one fused copy, not a view, a cast and a concatenation per tensor."""
 
-    def __init__(self, buckets: list[Bucket], sinks: list[BucketSink]) -> None:
+    def __init__(self, num_slots: int = 3) -> None:
+        if num_slots < 2:
+            raise ValueError(f"num_slots must be >= 2 (one filling while one is sent), got {num_slots}")
+        self.num_slots = num_slots
+        self.buckets: tuple[Bucket, ...] | None = None
+        self.slots: list[torch.Tensor] = []
+        self.offsets: list[list[int]] = []
+        self.views: dict[tuple[int, int, int, bool], torch.Tensor] = {}
+        self.cond = threading.Condition()
+        self.released = 0
+
+    def start(self, buckets: tuple[Bucket, ...]) -> None:
+        """Begin a version sent with this plan (buffers and views are kept when the plan did not change)."""
+        if buckets != self.buckets:
+            self.buckets, self.slots, self.views = buckets, [], {}
+            self.offsets = [list(itertools.accumulate((t.nbytes for t in b.tensors), initial=0)) for b in buckets]
+        with self.cond:
+            self.released = 0
+
+    def _slot(self, index: int) -> int:
+        return index % len(self.slots)
+
+    def acquire(self, index: int, device: torch.device) -> None:
+        """Wait until bucket `index` may be written (its slot's previous bucket was released)."""
+        assert self.buckets is not None
+        if not self.slots:
+            one_dtype = len({b.dtype for b in self.buckets}) == 1
+            count = min(self.num_slots, len(self.buckets)) if one_dtype else len(self.buckets)
+            size = max(b.nbytes for b in self.buckets)
+            self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(count)]
+        with self.cond:
+            self.cond.wait_for(lambda: self.released >= index - len(self.slots) + 1)
+
+    def release(self, index: int) -> None:
+        """Bucket `index` was sent (buckets are released in plan order)."""
+        with self.cond:
+            self.released = max(self.released, index + 1)
+            self.cond.notify_all()
+
+    def flat(self, index: int) -> torch.Tensor:
+        assert self.buckets is not None
+        return self.slots[self._slot(index)][: self.buckets[index].nbytes]
+
+    def view(self, index: int, position: int, count: int, stacked: bool) -> torch.Tensor:
+        """Tensors `position .. position + count` of bucket `index`, typed and shaped ([count, *shape] if stacked)."""
+        key = (index, position, count, stacked)
+        view = self.views.get(key)
+        if view is None:
+            assert self.buckets is not None
+            meta = self.buckets[index].tensors[position]
+            start, end = self.offsets[index][position], self.offsets[index][position + count]
+            shape = (count, *meta.shape) if stacked else meta.shape
+            view = self.views[key] = (
+                self.slots[self._slot(index)][start:end].view(getattr(torch, meta.dtype)).view(shape)
+            )
+        return view
+
+
+class BucketAssembler:
+    """Copies the streamed runs straight into their buckets' buffers (casting to the bucket's dtype on the way: one
+    fused copy per layer) and hands each bucket to the sinks as soon as it is complete, in plan order. Raises if the
+    stream disagrees with the plan (a name or shape the receivers do not expect)."""
+
+    def __init__(self, buckets: list[Bucket], sinks: list[BucketSink], buffers: BucketBuffers | None = None) -> None:
         self.buckets, self.sinks = buckets, sinks
-        self.expected = {t.name: (i, t) for i, b in enumerate(buckets) for t in b.tensors}
-        self.segments: list[list[torch.Tensor]] = [[] for _ in buckets]
+        self.buffers = buffers if buffers is not None else BucketBuffers()
+        self.buffers.start(tuple(buckets))
+        self.expected = {t.name: (i, p, t) for i, b in enumerate(buckets) for p, t in enumerate(b.tensors)}
+        self.opened = [False] * len(buckets)
         self.counts = [0] * len(buckets)
         self.next_bucket = 0
         self.num_bytes_sent = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        self.add_run([name], tensor.unsqueeze(0))
+        self.add_runs([Run([name], tensor, False)])
 
     def add_run(self, names: list[str], stacked: torch.Tensor) -> None:
-        """Tensors `names`, consecutive in the stream, stacked along dim 0 of `stacked`."""
-        if stacked.shape[0] != len(names):
-            raise ValueError(f"weight stream: a run of {len(names)} names with {stacked.shape[0]} stacked tensors")
-        shape, dtype = tuple(stacked.shape[1:]), dtype_name(stacked.dtype)
-        start = 0
-        while start < len(names):
-            index = self._take(names[start], shape, dtype)
-            end = start + 1
-            while end < len(names) and self.expected.get(names[end], (None,))[0] == index:
-                self._take(names[end], shape, dtype)
-                end += 1
-            self.segments[index].append(stacked[start:end] if end - start < len(names) else stacked)
-            self.counts[index] += end - start
-            start = end
+        self.add_runs([Run(names, stacked, True)])
+
+    @torch.no_grad()
+    def add_runs(self, runs: list[Run]) -> None:
+        """Write `runs` (consecutive in the stream) into their buckets, then send every bucket now complete."""
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        for names, tensor, stacked in runs:
+            if stacked and tensor.shape[0] != len(names):
+                raise ValueError(f"weight stream: a run of {len(names)} names with {tensor.shape[0]} stacked tensors")
+            if not stacked and len(names) != 1:
+                raise ValueError(f"weight stream: {len(names)} names for one tensor")
+            shape = tuple(tensor.shape[1:] if stacked else tensor.shape)
+            start = 0
+            while start < len(names):
+                index, position = self._take(names[start], shape)
+                end = start + 1
+                while end < len(names) and self.expected.get(names[end], (None, None))[:2] == (
+                    index,
+                    position + end - start,
+                ):
+                    self._take(names[end], shape)
+                    end += 1
+                if not self.opened[index]:
+                    # Send what is complete first: the slot may be waiting for one of those buckets to go out.
+                    _copy(dsts, srcs)
+                    dsts, srcs = [], []
+                    self._flush()
+                    self.buffers.acquire(index, tensor.device)
+                    self.opened[index] = True
+                dsts.append(self.buffers.view(index, position, end - start, stacked))
+                srcs.append(tensor[start:end] if stacked and end - start < len(names) else tensor)
+                self.counts[index] += end - start
+                start = end
+        _copy(dsts, srcs)
         self._flush()
 
-    def _take(self, name: str, shape: tuple[int, ...], dtype: str) -> int:
-        index, meta = self.expected.pop(name, (None, None))
+    def _take(self, name: str, shape: tuple[int, ...]) -> tuple[int, int]:
+        index, position, meta = self.expected.pop(name, (None, None, None))
         if meta is None:
             raise ValueError(f"weight stream: {name!r} is not in the plan, or came twice")
-        if shape != meta.shape or dtype != meta.dtype:
-            raise ValueError(f"weight stream: {name!r} is {TensorMeta(name, dtype, shape)} but the plan says {meta}")
-        return index
+        if shape != meta.shape:
+            raise ValueError(f"weight stream: {name!r} has shape {shape} but the plan says {meta}")
+        return index, position
 
     def _flush(self) -> None:
         while self.next_bucket < len(self.buckets):
             i, bucket = self.next_bucket, self.buckets[self.next_bucket]
             if self.counts[i] < len(bucket.tensors):
                 return
-            segments, self.segments[i] = self.segments[i], []
             for sink in self.sinks:
-                sink.send(i, bucket, segments)
+                sink.send(i, bucket, self.buffers.flat(i))
             self.num_bytes_sent += bucket.nbytes
             self.next_bucket += 1
 
@@ -231,6 +306,12 @@ class BucketAssembler:
             raise ValueError(f"weight stream ended before {len(self.expected)} tensor(s) arrived, e.g. {missing}")
         for sink in self.sinks:
             sink.close()
+
+
+def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """dst <- src for each pair, cast to dst's dtype, in one fused call."""
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
 
 
 class SafetensorsSink:
@@ -248,17 +329,13 @@ class SafetensorsSink:
             return "model.safetensors"
         return f"model-{index + 1:05d}-of-{self.num_buckets:05d}.safetensors"
 
-    def send(self, index: int, bucket: Bucket, segments: list[torch.Tensor]) -> None:
+    def send(self, index: int, bucket: Bucket, flat: torch.Tensor) -> None:
         from safetensors.torch import save_file
 
         name = self.shard_name(index)
-        tensors = [x for segment in segments for x in segment.unbind(0)]
-        # clone: exported tensors can be views sharing storage (unstacked experts), which safetensors refuses
-        save_file(
-            {t.name: x.detach().to("cpu").contiguous().clone() for t, x in zip(bucket.tensors, tensors, strict=True)},
-            self.folder / name,
-            metadata={"format": "pt"},
-        )
+        # clone: views of one buffer share storage, which safetensors refuses (and the buffer is reused after send)
+        tensors = {n: t.clone() for n, t in unpack(flat.to("cpu"), bucket)}
+        save_file(tensors, self.folder / name, metadata={"format": "pt"})
         self.weight_map.update({t.name: name for t in bucket.tensors})
         self.total_bytes += bucket.nbytes
 
@@ -275,9 +352,8 @@ class BroadcastSink:
     def __init__(self, group: "torch.distributed.ProcessGroup", device: torch.device) -> None:
         self.group, self.device = group, device
 
-    def send(self, index: int, bucket: Bucket, segments: list[torch.Tensor]) -> None:
-        flat = pack([t.to(self.device) for t in segments])
-        broadcast(self.group, flat)
+    def send(self, index: int, bucket: Bucket, flat: torch.Tensor) -> None:
+        broadcast(self.group, flat.to(self.device))
 
     def close(self) -> None:
         if self.device.type == "cuda":
@@ -342,11 +418,11 @@ class TolerantSink:
         self.sink = sink
         self.error: BaseException | None = None
 
-    def send(self, index: int, bucket, segments) -> None:
+    def send(self, index: int, bucket, flat) -> None:
         if self.error is not None:
             return
         try:
-            self.sink.send(index, bucket, segments)
+            self.sink.send(index, bucket, flat)
         except (RuntimeError, OSError) as e:  # torch.distributed reports a lost peer as RuntimeError/DistBackendError
             self.error = e
 
@@ -358,41 +434,50 @@ class TolerantSink:
                 self.error = e
 
 
-def stream_to(stream: "RunStream", manifest: Manifest, sinks: list[BucketSink]) -> None:
-    """Iterate the stream's runs (every rank: the gathers are collectives) and hand each complete bucket to the sinks
-    on a background thread, so sending bucket k overlaps with gathering the layers after it."""
+def stream_to(
+    stream: LayerStream, manifest: Manifest, sinks: list[BucketSink], buffers: BucketBuffers | None = None
+) -> None:
+    """Iterate the stream's layers (every rank: the gathers are collectives), assemble the buckets in `buffers`
+    (kept by the caller from one version to the next) and hand each complete bucket to the sinks on a background
+    thread, so sending bucket k overlaps with gathering the layers after it."""
     if not sinks:
-        for _ in stream.runs():
+        for _ in stream.layers():
             pass
         return
-    jobs: queue.Queue = queue.Queue(maxsize=2)
+    buffers = buffers if buffers is not None else BucketBuffers()
+    jobs: queue.Queue = queue.Queue()
     failure: list[BaseException] = []
+    cuda_stream = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
     def worker() -> None:
-        while (job := jobs.get()) is not None:
-            if failure:
-                continue
-            try:
-                for sink in sinks:
-                    sink.send(*job)
-            except BaseException as e:  # noqa: BLE001 - handed to the producer, which re-raises it
-                failure.append(e)
+        context = torch.cuda.stream(cuda_stream) if cuda_stream is not None else contextlib.nullcontext()
+        with context:  # the stream the buckets were written on: the sends are ordered after the copies
+            while (job := jobs.get()) is not None:
+                index, bucket, flat = job
+                try:
+                    if not failure:
+                        for sink in sinks:
+                            sink.send(index, bucket, flat)
+                except BaseException as e:  # noqa: BLE001 - handed to the producer, which re-raises it
+                    failure.append(e)
+                finally:
+                    buffers.release(index)
 
     class _Queued:
-        def send(self, index: int, bucket, segments) -> None:
-            jobs.put((index, bucket, segments))
+        def send(self, index: int, bucket, flat) -> None:
+            jobs.put((index, bucket, flat))
 
         def close(self) -> None:
             pass
 
     thread = threading.Thread(target=worker, name="slipstream-weight-send", daemon=True)
     thread.start()
-    assembler = BucketAssembler(list(manifest.buckets), [_Queued()])
+    assembler = BucketAssembler(list(manifest.buckets), [_Queued()], buffers)
     try:
-        for names, stacked in stream.runs():
+        for runs in stream.layers():
             if failure:
                 raise failure[0]
-            assembler.add_run(names, stacked)
+            assembler.add_runs(runs)
         assembler.finish()
     finally:
         jobs.put(None)
