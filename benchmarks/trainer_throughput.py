@@ -2,6 +2,9 @@
 
     python benchmarks/trainer_throughput.py --model qwen3-0.6b --seq-len 16384 --impl custom --compare-hf
     python benchmarks/trainer_throughput.py --model tiny --device cpu --seq-len 512 --compare-hf
+    python benchmarks/trainer_throughput.py --model qwen3-30b-a3b-4l --compare-hf \
+        --compare-anchor /work/shared/anchors/hf_moe/hf_moe_baseline.py
+    python benchmarks/trainer_throughput.py --model qwen3-30b-a3b-8l --state-dtype bfloat16
     python benchmarks/trainer_throughput.py --lm-head-memory --head-tokens 65536
 
 Runs the trainer's own code (Policy, train_step, fused AdamW on float32 masters, bf16 autocast on GPUs) on one
@@ -9,7 +12,15 @@ device. Prints tokens/s, MFU and peak memory per implementation, and last `token
 `--impl` (plus `vs_hf: <ratio>` with --compare-hf). MFU uses REFERENCE.md's FLOPs/token: 6 x active matmul
 parameters + 12 x layers x heads x head_dim x context, where context is the attended length per token (the mean
 sample length weighted by tokens, as packed samples never attend to each other), over the dense bf16 peak of an
-H100/H200 SXM (989e12 FLOP/s); n/a on CPU.
+H100/H200 SXM (989e12 FLOP/s); n/a on CPU. For the MoE shapes (Qwen3-30B-A3B cut to 4 or 8 layers, every layer
+MoE: 128 experts, top-8) the active MLP parameters are the top-8 experts' plus the router.
+
+MoE options: `--expert-loop` runs our experts one by one (the reference) instead of the default grouped GEMMs;
+`--state-dtype bfloat16` keeps AdamW's moments in bf16 (trainer/optim.py): the 8-layer cut's float32 masters,
+gradients and float32 moments alone take 83.6 GiB, more than one H100. `--compare-anchor PATH` also runs the
+plain-transformers pure-bf16 anchor script (e.g. /work/shared/anchors/hf_moe/hf_moe_baseline.py: bf16 weights and
+optimizer states, transformers' grouped_mm experts; MoE shapes on CUDA only) in its own process and prints
+`vs_hf_pure_bf16: <ratio>`.
 
 `--impl custom` runs with torch.compile per block on CUDA (`--no-compile` to disable); the `hf` baseline is always
 plain transformers (sdpa attention, eager), with the same activation checkpointing, trainer LM head and optimizer,
@@ -35,6 +46,7 @@ from slipstream.models.common.attention import build_attention_layout
 from slipstream.models.registry import build_model, export_hf_state_dict
 from slipstream.parallel.fsdp import parallelize_model
 from slipstream.trainer.logprobs import DEFAULT_CHUNK_SIZE, chunked_lm_head_logprobs
+from slipstream.trainer.optim import AdamWBf16Moments
 from slipstream.trainer.policy import Policy
 from slipstream.trainer.step import train_step
 from slipstream.transport.rollouts import MicroBatch, TrainingBatch
@@ -43,16 +55,40 @@ PEAK_FLOPS = 989e12
 """Dense bf16 peak of an H100/H200 SXM."""
 PROMPT_FRACTION = 0.2
 """Share of each fake sample that is prompt (no loss)."""
+MOE_MODELS = {"qwen3-30b-a3b-4l": 4, "qwen3-30b-a3b-8l": 8}
+"""Qwen3-30B-A3B's shape cut to this many layers (the anchor's, /work/shared/anchors/hf_moe)."""
+MODELS = ["qwen3-0.6b", "tiny", "tiny-moe", *MOE_MODELS]
 
 
 def build_hf_config(name: str):
-    """A Qwen3 config: the shape of Qwen3-0.6B (vocab 151936), or the 2-layer tiny test shape (vocab 512)."""
-    from transformers import Qwen3Config
+    """A Qwen3 config: the shape of Qwen3-0.6B (vocab 151936), Qwen3-30B-A3B cut to 4 or 8 layers, or the 2-layer
+    tiny test shapes (vocab 512; tiny-moe: 8 experts, top-2)."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
-    if name == "tiny":
+    if name in ("tiny", "tiny-moe"):
         from slipstream.models.tiny import build_config
 
-        return build_config("qwen3", vocab_size=512, eos_token_id=2, pad_token_id=0)
+        return build_config("qwen3" if name == "tiny" else "qwen3_moe", vocab_size=512, eos_token_id=2, pad_token_id=0)
+    if name in MOE_MODELS:
+        return Qwen3MoeConfig(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=MOE_MODELS[name],
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+            tie_word_embeddings=False,
+        )
     if name == "qwen3-0.6b":
         return Qwen3Config(
             vocab_size=151936,
@@ -67,15 +103,20 @@ def build_hf_config(name: str):
             rope_parameters={"rope_type": "default", "rope_theta": 1e6},
             tie_word_embeddings=True,
         )
-    raise ValueError(f"unknown --model {name!r}; choose qwen3-0.6b or tiny")
+    raise ValueError(f"unknown --model {name!r}; choose one of {', '.join(MODELS)}")
 
 
 def active_matmul_params(cfg) -> int:
-    """Matmul weights one token goes through: attention and MLP projections of every layer, plus the LM head."""
+    """Matmul weights one token goes through: attention and MLP projections of every layer (for a MoE, where every
+    layer is one here: its top-k experts and the router), plus the LM head."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     q_out, kv_out = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
     attention = cfg.hidden_size * (2 * q_out + 2 * kv_out)
-    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    if getattr(cfg, "num_experts", None):
+        experts = cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        mlp = experts + cfg.hidden_size * cfg.num_experts
+    else:
+        mlp = 3 * cfg.hidden_size * cfg.intermediate_size
     return cfg.num_hidden_layers * (attention + mlp) + cfg.vocab_size * cfg.hidden_size
 
 
@@ -109,20 +150,39 @@ def fake_batch(seq_len: int, num_samples: int, vocab_size: int, seed: int = 0) -
     return TrainingBatch(step=1, rank=0, num_loss_tokens=sum(mask), micro_batches=[mb]), context
 
 
-def build_random_model(cfg, impl: str, device: torch.device) -> torch.nn.Module:
-    """A float32 model of `impl` on `device` with the same random weights for both impls (ours, seed 0)."""
+def build_random_model(cfg, impl: str, device: torch.device, hf_experts: str = "grouped_mm") -> torch.nn.Module:
+    """A float32 model of `impl` on `device` with the same random weights for both impls (ours, seed 0); a
+    transformers MoE runs its experts with `hf_experts` (transformers' `experts_implementation`)."""
     torch.manual_seed(0)
     with torch.device(device):
         ours = build_model(cfg, "custom").float()
     if impl == "custom":
         return ours
     cfg._attn_implementation = "sdpa"  # the transformers baseline: SDPA attention
+    if getattr(cfg, "num_experts", None):
+        cfg._experts_implementation = hf_experts  # transformers' own choice of MoE kernel
     with torch.device(device):
         model = build_model(cfg, "hf").float()
-    missing, unexpected = model.load_state_dict(export_hf_state_dict(ours), strict=False)
+    missing, unexpected = model.load_state_dict(fuse_experts(export_hf_state_dict(ours), model), strict=False)
     if unexpected or set(missing) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()):
         raise RuntimeError(f"weights do not fit transformers' model: missing {missing}, unexpected {unexpected}")
     return model
+
+
+def fuse_experts(hf_sd: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The checkpoint's per-expert MoE weights (`mlp.experts.{e}.{gate,up,down}_proj.weight`) stacked into the
+    fused layout transformers 5 holds in memory (`gate_up_proj` [E, 2F, D] gate rows first, `down_proj` [E, D, F])
+    where `model` has it; other keys unchanged."""
+    fused_prefixes = [k.removesuffix("gate_up_proj") for k in model.state_dict() if k.endswith("experts.gate_up_proj")]
+    for prefix in fused_prefixes:
+        stacked = {}
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            keys = sorted((k for k in hf_sd if k.startswith(prefix) and k.endswith(f".{proj}.weight")),
+                          key=lambda k: int(k.removeprefix(prefix).split(".")[0]))  # fmt: skip
+            stacked[proj] = torch.stack([hf_sd.pop(k) for k in keys])
+        hf_sd[prefix + "gate_up_proj"] = torch.cat([stacked["gate_proj"], stacked["up_proj"]], dim=1)
+        hf_sd[prefix + "down_proj"] = stacked["down_proj"]
+    return hf_sd
 
 
 @dataclass
@@ -137,10 +197,15 @@ class Result:
 def run_impl(args: argparse.Namespace, impl: str, device: torch.device) -> Result:
     """Build a fresh random model of `impl`, run warmup + measured steps, return the figures."""
     cfg = build_hf_config(args.model)
-    model = build_random_model(cfg, impl, device)
+    model = build_random_model(cfg, impl, device, args.hf_experts)
     compile = args.compile and impl == "custom"
+    if args.expert_loop and impl == "custom" and hasattr(model, "set_grouped_mm"):
+        model.set_grouped_mm(False)
     policy = parallelize_model(Policy(model), None, ParallelConfig(activation_checkpointing=args.ac), compile=compile)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, fused=True if device.type == "cuda" else None)
+    if args.state_dtype == "bfloat16":
+        optimizer = AdamWBf16Moments(policy.parameters(), lr=1e-6)
+    else:
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, fused=True if device.type == "cuda" else None)
     batch, context = fake_batch(args.seq_len, args.num_samples, cfg.vocab_size)
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     step_s, metrics = time_steps(policy, optimizer, batch, device, compute_dtype, args.warmup, args.steps)
@@ -257,7 +322,7 @@ def measure_lm_head_memory(device: torch.device, num_tokens: int) -> dict[str, f
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen3-0.6b", choices=["qwen3-0.6b", "tiny"])
+    parser.add_argument("--model", default="qwen3-0.6b", choices=MODELS)
     parser.add_argument("--seq-len", type=int, default=16384, help="tokens per micro-batch (one per step)")
     parser.add_argument("--num-samples", type=int, default=1, help="samples packed into the micro-batch")
     parser.add_argument("--impl", default="custom", choices=["custom", "hf"])
@@ -266,6 +331,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
     parser.add_argument("--ac", action=argparse.BooleanOptionalAction, default=True, help="activation checkpointing")
     parser.add_argument("--compare-hf", action="store_true", help="also run --impl hf and print the ratio")
+    parser.add_argument(
+        "--compare-anchor",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also run the pure-bf16 transformers MoE anchor script at PATH (CUDA, MoE shapes) and print the ratio",
+    )
+    parser.add_argument("--expert-loop", action="store_true", help="MoE: loop over experts instead of grouped GEMMs")
+    parser.add_argument(
+        "--hf-experts",
+        default="grouped_mm",
+        choices=["eager", "grouped_mm", "batched_mm"],
+        help="MoE: transformers' experts implementation for --impl hf",
+    )
+    parser.add_argument(
+        "--state-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="dtype of AdamW's moments (trainer.optim.state_dtype); float32 masters either way",
+    )
     parser.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
@@ -281,6 +366,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--device cuda but torch sees no GPU; use --device cpu (with --model tiny)")
     if args.steps < 1 or args.num_samples < 1 or args.seq_len < 2 * args.num_samples:
         parser.error("need --steps >= 1, --num-samples >= 1 and --seq-len >= 2 x --num-samples")
+    if args.compare_anchor is not None and (args.model not in MOE_MODELS or args.device != "cuda"):
+        parser.error(
+            f"--compare-anchor runs the MoE anchor on CUDA: use --device cuda and --model {' or '.join(MOE_MODELS)}"
+        )
+    if args.compare_anchor is not None and not args.compare_anchor.is_file():
+        parser.error(f"--compare-anchor {args.compare_anchor}: no such file")
     return args
 
 
@@ -296,12 +387,15 @@ def main(argv: list[str] | None = None) -> None:
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     position_ids = torch.tensor(fake_batch(args.seq_len, args.num_samples, 2)[0].micro_batches[0].position_ids)
     attention = build_attention_layout(position_ids[None].to(device), compute_dtype).backend
+    is_moe = args.model == "tiny-moe" or args.model in MOE_MODELS
+    experts = f", experts {'loop' if args.expert_loop else 'grouped_mm'}" if is_moe else ""
     print(
         f"{args.model} | seq {args.seq_len} in {args.num_samples} sample(s) | {name} | torch {torch.__version__} | "
         f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'} | activation checkpointing {args.ac} | "
-        f"custom: attention {attention}, compile {args.compile}",
+        f"custom: attention {attention}, compile {args.compile}{experts} | AdamW moments {args.state_dtype}",
         flush=True,
     )
+    anchor = run_anchor_in_subprocess(args) if args.compare_anchor is not None else None
     baseline = run_baseline_in_subprocess(args) if args.compare_hf and args.impl != "hf" else None
     result = run_impl(args, args.impl, device)
     line = f"tokens_per_s: {result.tokens_per_s:.1f} mfu: {_fmt_mfu(result.mfu)}"
@@ -309,7 +403,23 @@ def main(argv: list[str] | None = None) -> None:
         tokens_per_s, report = baseline
         print(report, flush=True)
         line += f" vs_hf: {result.tokens_per_s / tokens_per_s:.3f}"
+    if anchor is not None:
+        tokens_per_s, report = anchor
+        print(f"anchor: {report}", flush=True)
+        line += f" vs_hf_pure_bf16: {result.tokens_per_s / tokens_per_s:.3f}"
     print(line, flush=True)
+
+
+def run_anchor_in_subprocess(args: argparse.Namespace) -> tuple[float, str]:
+    """(tokens/s, its report line) of the pure-bf16 transformers anchor (`SEQ LAYERS grouped_mm`: its own random
+    single-sample batch, full activation checkpointing, fused bf16 AdamW), run first in a fresh process."""
+    cmd = [sys.executable, str(args.compare_anchor), str(args.seq_len), str(MOE_MODELS[args.model]), "grouped_mm"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    lines = [line for line in proc.stdout.splitlines() if "tokens_per_s=" in line]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the anchor failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+    tokens_per_s = float(lines[-1].split("tokens_per_s=")[1].split()[0])
+    return tokens_per_s, lines[-1]
 
 
 def run_baseline_in_subprocess(args: argparse.Namespace) -> tuple[float, str]:
@@ -318,6 +428,7 @@ def run_baseline_in_subprocess(args: argparse.Namespace) -> tuple[float, str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--impl", "hf", "--model", args.model]
     cmd += ["--seq-len", str(args.seq_len), "--num-samples", str(args.num_samples), "--device", args.device]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--ac" if args.ac else "--no-ac"]
+    cmd += ["--state-dtype", args.state_dtype, "--hf-experts", args.hf_experts]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines or not lines[-1].startswith("tokens_per_s: "):

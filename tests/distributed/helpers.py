@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from slipstream.transport.rollouts import MicroBatch, TrainingBatch, write_batch
+from slipstream.transport.rollouts import MicroBatch, Routing, TrainingBatch, write_batch
 
 
 def free_port() -> int:
@@ -44,8 +44,14 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> None:
     mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
 
 
-def micro_batch(lengths: list[tuple[int, int]], seed: int, vocab_size: int = 500) -> MicroBatch:
-    """Packed samples of (prompt, completion) lengths with advantages, temperatures and noisy inference log-probs."""
+REPLAY_SHAPE = (2, 2, 8)
+"""(MoE layers, top-k, experts) of the tiny qwen3_moe: the routing `micro_batch(..., replay=True)` carries."""
+
+
+def micro_batch(lengths: list[tuple[int, int]], seed: int, vocab_size: int = 500, replay: bool = False) -> MicroBatch:
+    """Packed samples of (prompt, completion) lengths with advantages, temperatures and noisy inference log-probs;
+    with `replay`, random router replay (distinct experts per token and layer; each sample's last token and one
+    token in five without routing, as from vLLM)."""
     g = torch.Generator().manual_seed(seed)
     ids, pos, mask, adv, temps = [], [], [], [], []
     for i, (num_prompt, num_completion) in enumerate(lengths):
@@ -56,25 +62,37 @@ def micro_batch(lengths: list[tuple[int, int]], seed: int, vocab_size: int = 500
         adv += [0.0] * num_prompt + [(-1.0) ** (i + seed) * (0.5 + i)] * num_completion
         temps += [1.0] * num_prompt + [0.7 + 0.2 * i] * num_completion
     lq = [-(2.0 + 3.0 * torch.rand(1, generator=g).item()) if m else 0.0 for m in mask]
-    return MicroBatch(ids, pos, mask, adv, lq, temps)
+    routing = None
+    if replay:
+        layers, top_k, experts = REPLAY_SHAPE
+        experts_TRA = torch.rand(len(ids), layers, experts, generator=g).argsort(-1)[..., :top_k].to(torch.uint8)
+        unrouted_T = (torch.rand(len(ids), generator=g) < 0.2) | torch.tensor([p == 0 for p in pos[1:]] + [True])
+        experts_TRA[unrouted_T] = 255
+        routing = Routing(experts_TRA.numpy().tobytes(), "uint8", layers, top_k)
+    return MicroBatch(ids, pos, mask, adv, lq, temps, routing)
 
 
-def step_micro_batches(step: int, world_size: int) -> list[list[MicroBatch]]:
+def step_micro_batches(step: int, world_size: int, replay: bool = False) -> list[list[MicroBatch]]:
     """Micro-batches of each rank for `step`; rank 0 gets one more than the others (exercises padding passes)."""
     per_rank = []
     for rank in range(world_size):
         count = 2 if rank == 0 else 1
         per_rank.append(
-            [micro_batch([(3, 5 + j), (2, 4 + rank)], seed=100 * step + 10 * rank + j) for j in range(count)]
+            [
+                micro_batch([(3, 5 + j), (2, 4 + rank)], seed=100 * step + 10 * rank + j, replay=replay)
+                for j in range(count)
+            ]
         )
     return per_rank
 
 
-def write_step_batches(output_dir: Path, num_steps: int, world_size: int, as_single_rank: bool = False) -> None:
+def write_step_batches(
+    output_dir: Path, num_steps: int, world_size: int, as_single_rank: bool = False, replay: bool = False
+) -> None:
     """Write rollouts/step_N/rank_R for steps 1..num_steps, split over `world_size` ranks, or (as_single_rank) all
     micro-batches of those ranks in one rank-0 file with the same loss normaliser."""
     for step in range(1, num_steps + 1):
-        per_rank = step_micro_batches(step, world_size)
+        per_rank = step_micro_batches(step, world_size, replay)
         num_loss = sum(sum(mb.loss_mask) for mbs in per_rank for mb in mbs)
         if as_single_rank:
             per_rank = [[mb for mbs in per_rank for mb in mbs]]

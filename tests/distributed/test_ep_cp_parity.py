@@ -23,7 +23,12 @@ CASES = {
     "qwen3-cp2": ("qwen3", 2, 1, ParallelConfig(cp=2), "dppo_tv"),
     # geo_mask needs whole samples' log-ratios, which the cp ranks only have together.
     "qwen3_moe-cp2-geo": ("qwen3_moe", 2, 1, ParallelConfig(cp=2), "geo_mask"),
-}
+    # Router replay: the replayed experts follow the tokens through the all-to-all and the cp shards.
+    "qwen3_moe-ep2-cp2-ac-replay": (
+        "qwen3_moe", 2, 1, ParallelConfig(ep=2, cp=2, activation_checkpointing=True), "dppo_tv"
+    ),
+    "qwen3_moe-fsdp2-ep2-replay": ("qwen3_moe", 4, 4, ParallelConfig(ep=2), "dppo_tv"),
+}  # fmt: skip
 
 
 def _config(model_dir, output_dir, parallel, loss_kind):
@@ -45,8 +50,9 @@ def test_ep_and_cp_match_one_process(tiny_model_factory, tmp_path, case):
     family, world_size, num_data_ranks, parallel, loss_kind = CASES[case]
     model_dir = tiny_model_factory(family)
     multi, single = tmp_path / "multi", tmp_path / "single"
-    write_step_batches(multi, NUM_STEPS, world_size=num_data_ranks)
-    write_step_batches(single, NUM_STEPS, world_size=num_data_ranks, as_single_rank=True)
+    replay = case.endswith("-replay")
+    write_step_batches(multi, NUM_STEPS, world_size=num_data_ranks, replay=replay)
+    write_step_batches(single, NUM_STEPS, world_size=num_data_ranks, as_single_rank=True, replay=replay)
 
     run_ranks(
         world_size, train_and_record, _config(model_dir, multi, parallel, loss_kind), tmp_path / "multi.pt", NUM_STEPS
@@ -60,7 +66,11 @@ def test_ep_and_cp_match_one_process(tiny_model_factory, tmp_path, case):
     for name, grad in want["grads"].items():
         torch.testing.assert_close(got["grads"][name], grad, rtol=0, atol=1e-5, msg=name)
     first_got, first_want = got["metrics"][0], want["metrics"][0]
-    for key in ("loss", "mismatch_kl", "entropy", "masked_fraction", "grad_norm", "num_tokens"):
+    keys = ["loss", "mismatch_kl", "entropy", "masked_fraction", "grad_norm", "num_tokens"]
+    if replay:
+        keys += ["router/replayed_fraction", "router/agreement"]
+        assert 0.5 < first_want["router/replayed_fraction"] < 1 and first_want["router/agreement"] < 0.5
+    for key in keys:
         assert first_got[key] == pytest.approx(first_want[key], rel=0, abs=1e-5), key
     assert first_want["grad_norm"] > 0.5  # the clip acted
     if loss_kind == "geo_mask":

@@ -51,6 +51,7 @@ SHAPES = {
     "tool parser": ([0, 1], {"inference": {"tool_call_parser": "hermes"}}, 1, 1),
     "expert parallel": (list(range(8)), {"inference": {"extra_args": ["--enable-expert-parallel"]}}, 1, 4),
     "CPU": ([], {"model": {"name": "Qwen/Qwen3-0.6B", "dtype": "float32"}}, 1, 1),
+    "router replay": ([0, 1], {"inference": {"enable_return_routed_experts": True}}, 1, 1),
 }
 
 
@@ -77,6 +78,8 @@ def test_vllm_parses_our_command_line(shape):
         sections.get("inference", {}).get("tool_call_parser"),
     )
     assert engine.enable_expert_parallel == ("extra_args" in sections.get("inference", {}))
+    routed = sections.get("inference", {}).get("enable_return_routed_experts", False)
+    assert engine.enable_return_routed_experts == routed
 
 
 def test_a_flag_vllm_does_not_know_fails():

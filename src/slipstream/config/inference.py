@@ -16,6 +16,7 @@ OWN_FLAGS = {
     "--data-parallel-size": "inference.data_parallel_size",
     "-dp": "inference.data_parallel_size",
     "--weight-transfer-config": "weights (Slipstream's weight-transfer backend is always used)",
+    "--enable-return-routed-experts": "inference.enable_return_routed_experts",
 }
 """vLLM flags Slipstream sets from its own fields (flag -> the field to set instead): inference.extra_args must not
 repeat them."""
@@ -44,6 +45,10 @@ class InferenceConfig(BaseConfig):
 
     enforce_eager: bool = True
     """Skip CUDA-graph / compile warm-up (fast start; recommended on CPU)."""
+
+    enable_return_routed_experts: bool = False
+    """Return each request's routed experts (`--enable-return-routed-experts`, vLLM's GPU build only), which the
+    orchestrator passes to the trainer for router replay (orchestrator.router_replay)."""
 
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     """Fraction of GPU memory vLLM may take (GPU builds only)."""

@@ -203,6 +203,16 @@ class RLConfig(BaseConfig):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_router_replay(self) -> "RLConfig":
+        launched = "inference" in self.deployment.run
+        if self.orchestrator.router_replay and launched and not self.inference.enable_return_routed_experts:
+            raise ValueError(
+                "orchestrator.router_replay needs the routed experts of every request: set "
+                "inference.enable_return_routed_experts = true"
+            )
+        return self
+
     def trainer_procs(self) -> int | None:
         """Trainer ranks on this node as far as the config fixes them (launch.num_trainer_procs, else the trainer's
         GPU count, 1 on CPU); None: decided at launch from the visible GPUs."""

@@ -67,6 +67,22 @@ class OptimConfig(BaseConfig):
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Clip the global gradient norm to this value."""
 
+    state_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of AdamW's two moments (the master weights stay float32 either way):
+    - "float32" (default): torch's AdamW (fused on CUDA), 8 bytes of optimizer state per parameter.
+    - "bfloat16": 4 bytes per parameter (trainer/optim.py); with the float32 masters and gradients, 12 bytes per
+      parameter instead of 16 (5.6B parameters of an 8-layer Qwen3-30B-A3B cut: 62.7 instead of 83.6 GiB).
+      Accuracy cost: the moments keep ~3 significant digits and are rounded stochastically (unbiased), so each
+      update carries a small relative noise against float32 AdamW (the total update of a tiny model over 6 steps
+      is 0.2% off, tests/unit/test_moe_speed_path.py); the update maths runs in float32, one parameter at a time,
+      so the step is slower than the fused kernel."""
+
+    cpu_offload: bool = False
+    """Keep the float32 masters, their gradients and the AdamW moments in CPU memory (FSDP2's CPUOffloadPolicy):
+    GPU memory then holds only the bf16 parameters of the blocks in use and the activations. Needs GPUs and FSDP
+    (trainer.device cuda, several ranks); an error otherwise. No accuracy cost (same maths, float32 on the CPU);
+    the cost is speed: gradients and parameters cross PCIe every step and the optimizer step runs on the CPU."""
+
 
 class LossConfig(BaseConfig):
     """Token-level RL loss (trainer/loss.py): one policy-gradient rule (`kind`) + squared log-ratio penalty.
@@ -141,6 +157,18 @@ class TrainerConfig(BaseConfig):
     Both publish the same Hugging Face checkpoint layout, so inference is unaffected by this choice. (A trainer
     field rather than `model.impl`: `model` is shared by all processes and set once at the top level.)"""
 
+    fp8: bool = False
+    """FP8 block-scaled training (DeepSeek-V3's recipe, models/common/fp8.py): the attention q/k/v/o and dense MLP
+    projections and the MoE experts run their GEMMs in float8 e4m3, weights in 128x128 blocks and activations in
+    1x128 tiles with a float32 scale each; the master weights stay float32 and the LM head, router, embeddings and
+    norms keep the compute dtype. Forward and input-gradient GEMMs are FP8, weight-gradient GEMMs in the compute dtype.
+    Needs model_impl "custom" (an error with "hf", or when "auto" resolves to it) and, on GPUs, an SM90 GPU
+    (H100/H200) with a CUDA >= 12.9 build of torch; any other GPU is an error, never a silent bf16 fallback. On
+    CPU it runs the float32 reference (dequantize, then matmul): same quantization, slower than plain float32, meant
+    for tests and the CPU twin. Trade-off: faster GEMMs for up to 2^-4 relative rounding per weight and
+    activation element; meant to run against FP8 block-quantized inference (same quantization), whose log-probs it
+    should match more closely than a bf16 trainer does (benchmarks/fp8_training.py measures both)."""
+
     output_dir: Path
     """Run directory."""
 
@@ -199,3 +227,12 @@ class TrainerConfig(BaseConfig):
         if isinstance(value, int) and value < 1:
             raise ValueError(f"trainer.resume_step must be >= 1, 'latest' or unset (got {value})")
         return value
+
+    @model_validator(mode="after")
+    def _check_fp8_impl(self) -> "TrainerConfig":
+        if self.fp8 and self.model_impl == "hf":
+            raise ValueError(
+                "trainer.fp8 = true needs trainer.model_impl 'custom' or 'auto' (FP8 layers are swapped into "
+                "Slipstream's own models); set model_impl = 'custom' or fp8 = false"
+            )
+        return self

@@ -42,6 +42,8 @@ def build_vllm_argv(config: InferenceConfig, model_path: Path) -> list[str]:
         argv.append("--enforce-eager")
     if config.chunked_prefill is not None:
         argv.append("--enable-chunked-prefill" if config.chunked_prefill else "--no-enable-chunked-prefill")
+    if config.enable_return_routed_experts:
+        argv.append("--enable-return-routed-experts")
     if config.tool_call_parser is not None:
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
     if config.device == "cuda" or (config.device == "auto" and _has_cuda()):

@@ -8,7 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from slipstream.orchestrator.rollouts import Rollout
+from slipstream.orchestrator.routing import align_routing, pack_routing
 from slipstream.transport.rollouts import MicroBatch, TrainingBatch, write_batch
 
 
@@ -21,6 +24,8 @@ class Sample:
     advantages: list[float]
     inference_logprobs: list[float]
     temperatures: list[float]
+    routed_experts: np.ndarray | None = None
+    """Router replay: [tokens, moe_layers, top_k], NO_ROUTE where inference did not route (routing.py)."""
 
     @property
     def num_tokens(self) -> int:
@@ -45,6 +50,9 @@ def build_sample(rollout: Rollout, temperature: float) -> Sample:
         advantages=[0.0] * num_prompt + [rollout.advantage] * num_completion,
         inference_logprobs=[0.0] * num_prompt + list(rollout.completion_logprobs),
         temperatures=[1.0] * num_prompt + [temperature] * num_completion,
+        routed_experts=None
+        if rollout.routed_experts is None
+        else align_routing(rollout.routed_experts, num_prompt + num_completion, f"task {rollout.task.id}"),
     )
 
 
@@ -137,7 +145,8 @@ def to_micro_batch(samples: Sequence[Sample]) -> MicroBatch:
         advantages += s.advantages
         logprobs += s.inference_logprobs
         temperatures += s.temperatures
-    return MicroBatch(input_ids, position_ids, loss_mask, advantages, logprobs, temperatures)
+    routing = pack_routing([s.routed_experts for s in samples], [s.num_tokens for s in samples])
+    return MicroBatch(input_ids, position_ids, loss_mask, advantages, logprobs, temperatures, routing)
 
 
 def build_training_batches(

@@ -308,7 +308,14 @@ class RolloutPipeline:
             rollouts = group.stream.rollouts(task, group.request_version)
         else:
             reply = await self.client.chat(task.prompt, sampling, n, salt)
-            rollouts = parse_chat_response(reply, task, n, group.request_version, require_token_versions=True)
+            rollouts = parse_chat_response(
+                reply,
+                task,
+                n,
+                group.request_version,
+                require_token_versions=True,
+                require_routed_experts=self.config.router_replay,
+            )
         if any(r.finish_reason == "abort" for r in rollouts):
             raise InferenceError(
                 f"task {task.id}: the server aborted the request (finish_reason 'abort') though the orchestrator did "

@@ -8,12 +8,16 @@ Completion text is used only for rewards; training tokens are never re-tokenized
 import asyncio
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slipstream.config.orchestrator import SamplingConfig
 from slipstream.envs.base import Task
 from slipstream.envs.tokens import TrainingSample
 from slipstream.orchestrator.client import InferenceError
+from slipstream.orchestrator.routing import decode_routed_experts
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MISSING_LOGPROB = -9999.0
 """vLLM's placeholder when it has no log-prob for a token (and its clamp of -inf)."""
@@ -53,6 +57,9 @@ class Rollout:
     """Multi-turn: why the rollout ended ("env_done", "max_turns", "context_length", ...)."""
     reward_metrics: dict[str, float] = field(default_factory=dict)
     """Named metrics the environment logged with the reward (multi-turn environments)."""
+    routed_experts: "np.ndarray | None" = None
+    """Router replay (single-turn): inference's experts per token of prompt + completion, [rows, moe_layers,
+    top_k] (vLLM gives one row fewer than tokens: the last token was never forwarded); see routing.py."""
 
     @property
     def num_tokens(self) -> int:
@@ -110,14 +117,20 @@ def cache_salt(policy_version: int) -> str:
 
 
 def parse_chat_response(
-    reply: dict, task: Task, n: int, policy_version: int, require_token_versions: bool = False
+    reply: dict,
+    task: Task,
+    n: int,
+    policy_version: int,
+    require_token_versions: bool = False,
+    require_routed_experts: bool = False,
 ) -> list[Rollout]:
     """Turn a whole chat reply (`return_token_ids` + `logprobs`) into `n` rollouts; malformed replies raise.
 
     `policy_version` is the version served when the request was sent. Choices that carry `token_versions` (the
     simulated server) keep them; otherwise every token is attributed to `policy_version`, which is exact only when
     no weight update can land during the request (evaluation of a fixed policy). `require_token_versions` makes
-    their absence an error (the rollout pipeline, which updates weights mid-request).
+    their absence an error (the rollout pipeline, which updates weights mid-request). `require_routed_experts`
+    (router replay) makes a choice without `routed_experts` an error.
     """
     prompt_ids = reply.get("prompt_token_ids")
     choices = reply.get("choices") or []
@@ -145,6 +158,7 @@ def parse_chat_response(
             raise InferenceError(f"task {task.id}: choice {choice['index']} has tokens without a log-prob from vLLM")
         versions = _token_versions(choice, task, len(token_ids), policy_version, require_token_versions)
         message = choice.get("message") or {}
+        routed = _routed_experts(choice, task, len(prompt_ids) + len(token_ids), require_routed_experts)
         rollouts.append(
             Rollout(
                 task=task,
@@ -155,9 +169,29 @@ def parse_chat_response(
                 token_versions=versions,
                 request_version=policy_version,
                 finish_reason=choice.get("finish_reason"),
+                routed_experts=routed,
             )
         )
     return rollouts
+
+
+def _routed_experts(choice: dict, task: Task, num_tokens: int, required: bool) -> "np.ndarray | None":
+    encoded = choice.get("routed_experts")
+    where = f"task {task.id}: choice {choice['index']}"
+    if encoded is None:
+        if required:
+            raise InferenceError(
+                f"{where} has no routed_experts; orchestrator.router_replay needs inference started with "
+                "inference.enable_return_routed_experts = true (vLLM's GPU build) or a simulator with routed_experts"
+            )
+        return None
+    try:
+        routed = decode_routed_experts(encoded, where)
+    except ValueError as e:
+        raise InferenceError(str(e)) from e
+    if routed.shape[0] > num_tokens:
+        raise InferenceError(f"{where}: routed_experts has {routed.shape[0]} rows for {num_tokens} tokens")
+    return routed
 
 
 def _token_versions(choice: dict, task: Task, num_tokens: int, policy_version: int, required: bool) -> list[int]:

@@ -110,6 +110,14 @@ class ContextParallel:
         start = self.rank * size
         return RowShard(input_ids_T[start : start + size], position_ids_T[start : start + size], position_ids_T, start)
 
+    def shard_tokens(self, x_T: Tensor, pad_value: float | int) -> Tensor:
+        """x_t: this rank's part of a per-token tensor [T, ...], cut as `shard_row` cuts the row (padded with
+        `pad_value`)."""
+        num_tokens = x_T.shape[0]
+        size = self.shard_size(num_tokens)
+        pad = x_T.new_full((size * self.num_ranks - num_tokens, *x_T.shape[1:]), pad_value)
+        return torch.cat([x_T, pad])[self.rank * size : (self.rank + 1) * size]
+
     def owned_tokens(self, num_tokens: int, device: torch.device) -> Tensor:
         return owned_tokens(num_tokens, self.rank, self.num_ranks, device)
 

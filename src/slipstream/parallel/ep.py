@@ -46,17 +46,19 @@ def all_to_all(x_MD: Tensor, output_splits: list[int], input_splits: list[int], 
     return _AllToAll.apply(x_MD, output_splits, input_splits, group)
 
 
-def expert_major_order(counts_PE: Tensor) -> Tensor:
+def expert_major_order(counts_PE: Tensor, num_rows: int | None = None) -> Tensor:
     """perm_R with x_expert_major_R = x_received_R[perm_R].
 
     Received rows come in (source rank p, local expert e) segments, p-major: counts_PE[p, e] rows each. perm_R lists
     the same rows e-major (expert 0's rows from ranks 0..P-1, then expert 1's, ...), keeping order within a segment.
+    `num_rows` (R = counts_PE.sum(), when the caller knows it) spares a device-to-host sync on GPUs.
     """
     num_ranks, num_local = counts_PE.shape
     counts_flat = counts_PE.flatten()
     starts_PE = (counts_flat.cumsum(0) - counts_flat).view(num_ranks, num_local)
     starts_S, counts_S = starts_PE.T.flatten(), counts_PE.T.flatten()  # S = segments in expert-major order
-    segment_R = torch.repeat_interleave(torch.arange(counts_S.numel(), device=counts_S.device), counts_S)
+    segments_S = torch.arange(counts_S.numel(), device=counts_S.device)
+    segment_R = torch.repeat_interleave(segments_S, counts_S, output_size=num_rows)
     first_S = counts_S.cumsum(0) - counts_S
     within_R = torch.arange(segment_R.numel(), device=counts_S.device) - first_S[segment_R]
     return starts_S[segment_R] + within_R
@@ -92,9 +94,10 @@ class ExpertParallel:
         counts_PE = counts_E.view(self.num_ranks, self.num_local)
         received_PE = torch.empty_like(counts_PE)
         dist.all_to_all_single(received_PE, counts_PE.contiguous(), group=self.group)
-        input_splits, output_splits = counts_PE.sum(1).tolist(), received_PE.sum(1).tolist()
+        # One device-to-host sync for both split lists (the row exchange needs them on the host).
+        input_splits, output_splits = torch.stack([counts_PE.sum(1), received_PE.sum(1)]).tolist()
         x_RD = all_to_all(x_MD, output_splits, input_splits, self.group)
-        perm_R = expert_major_order(received_PE)
+        perm_R = expert_major_order(received_PE, num_rows=sum(output_splits))
         # A recomputation under activation checkpointing may stop between dispatch and combine (early stop): the
         # next dispatch then replaces its route, which nothing needs any more.
         self._route = _Route(input_splits, output_splits, inverse_permutation(perm_R))

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from slipstream.config.trainer import ParallelConfig
 from slipstream.parallel.ep import apply_expert_parallel
@@ -74,12 +74,15 @@ def parallelize_model(
     compute_dtype: torch.dtype = torch.float32,
     compile: bool = False,
     experts: Sequence[nn.Module] = (),
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Expert parallelism over `mesh.ep` for the stacked-experts modules `experts` (when ep > 1), activation
     checkpointing (if configured), then torch.compile per block (if `compile`), then FSDP2 per block and on `model`
     (the root, which then owns the remaining parameters: embeddings, final norm, LM head). EP-sharded experts get
     their own FSDP unit over `mesh.expert_fsdp`. Without a mesh (one rank) nothing is sharded. Returns `model`,
-    modified in place; its parameters end up on the mesh's device."""
+    modified in place; its parameters end up on the mesh's device, or in (pinned) CPU memory with `cpu_offload`
+    (FSDP2's CPUOffloadPolicy: sharded masters, their gradients and so the optimizer state stay on the CPU; each
+    block's parameters are copied to the GPU for its forward and backward)."""
     expert_parallel = mesh is not None and mesh.ep is not None
     if expert_parallel:
         apply_expert_parallel(experts, mesh.ep)
@@ -90,6 +93,7 @@ def parallelize_model(
     if mesh is None:
         return model
     policy = build_mp_policy(compute_dtype, mesh.device_type)
+    shard = dict(mp_policy=policy, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     sharded_experts = {id(m) for m in experts} if expert_parallel else set()
     blocks = find_blocks(model)
     for i, block in enumerate(blocks):
@@ -97,9 +101,9 @@ def parallelize_model(
         reshard = i < len(blocks) - 1
         for module in block.modules():
             if id(module) in sharded_experts:
-                fully_shard(module, mesh=mesh.expert_fsdp, mp_policy=policy, reshard_after_forward=reshard)
-        fully_shard(block, mesh=mesh.fsdp, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh.fsdp, mp_policy=policy)
+                fully_shard(module, mesh=mesh.expert_fsdp, reshard_after_forward=reshard, **shard)
+        fully_shard(block, mesh=mesh.fsdp, reshard_after_forward=reshard, **shard)
+    fully_shard(model, mesh=mesh.fsdp, **shard)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

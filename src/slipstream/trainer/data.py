@@ -5,10 +5,11 @@ Legend: T = tokens of a packed micro-batch, B = samples (one per padded row), L 
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from slipstream.transport.rollouts import MicroBatch, TrainingBatch
+from slipstream.transport.rollouts import MicroBatch, Routing, TrainingBatch
 
 
 class MicroBatchError(ValueError):
@@ -25,6 +26,8 @@ class PackedMicroBatch:
     advantages_T: Tensor
     inference_logprobs_T: Tensor
     temperatures_T: Tensor
+    replay_TRA: Tensor | None = None
+    """Router replay: inference's experts per token for each of the R MoE layers (int64, -1 where none)."""
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +56,7 @@ def to_packed(mb: MicroBatch, device: torch.device) -> PackedMicroBatch:
         advantages_T=torch.tensor(mb.advantages, dtype=torch.float32, device=device),
         inference_logprobs_T=torch.tensor(mb.inference_logprobs, dtype=torch.float32, device=device),
         temperatures_T=torch.tensor(mb.temperatures, dtype=torch.float32, device=device),
+        replay_TRA=None if mb.routing is None else routing_tensor(mb.routing, len(mb.input_ids), device),
     )
     layout = build_padded_layout(packed.position_ids_T)
     if (packed.loss_mask_T & layout.is_start_T).any():
@@ -62,6 +66,19 @@ def to_packed(mb: MicroBatch, device: torch.device) -> PackedMicroBatch:
             "temperatures must be > 0 (log-probs at temperature 0 are undefined); use 1.0 for prompts"
         )
     return packed
+
+
+def routing_tensor(routing: Routing, num_tokens: int, device: torch.device) -> Tensor:
+    """replay_TRA (int64, -1 where inference did not route the token) from a micro-batch's Routing."""
+    if routing.dtype not in ("uint8", "uint16"):
+        raise MicroBatchError(f"routing.dtype must be uint8 or uint16, got {routing.dtype!r}")
+    array = np.frombuffer(routing.data, dtype=routing.dtype)
+    shape = (num_tokens, routing.num_layers, routing.top_k)
+    if array.size != num_tokens * routing.num_layers * routing.top_k:
+        raise MicroBatchError(f"routing holds {array.size} expert ids, not {shape} for the micro-batch's tokens")
+    values = torch.from_numpy(array.astype(np.int64)).view(shape)
+    values[values == np.iinfo(routing.dtype).max] = -1
+    return values.to(device)
 
 
 def build_padded_layout(position_ids_T: Tensor) -> PaddedLayout:

@@ -53,6 +53,7 @@ def packed_logprobs(
     chunk_size: int,
     target_mask_T: Tensor | None = None,
     context_parallel: ContextParallel | None = None,
+    replay_TRA: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`compute_logprobs` on the micro-batch's tensors. Packed samples never attend to each other: our models
     separate them by position_ids (one row, no padding) or run one padded row per sample where that is cheaper
@@ -62,16 +63,19 @@ def packed_logprobs(
     elsewhere (prompt tokens' log-probs are never used by the loss, and the head is a quarter of the step's FLOPs).
     With `context_parallel` (our models only) this rank runs its shard of the row and the LM head for the targets it
     owns; the results are summed over the cp group, so every cp rank returns the whole row's values.
+    `replay_TRA` (router replay, our MoE models only) follows the tokens into whichever layout runs.
     """
     layout = build_padded_layout(position_ids_T)
+    if replay_TRA is not None:
+        check_replay(model, replay_TRA, input_ids_T.numel())
     # Token t (not a sample start) is predicted from the hidden state of token t - 1 of the same sample.
     is_target_T = ~layout.is_start_T if target_mask_T is None else target_mask_T & ~layout.is_start_T
     if context_parallel is not None:
         return _context_parallel_logprobs(
-            model, context_parallel, input_ids_T, position_ids_T, temperatures_T, chunk_size, is_target_T
+            model, context_parallel, input_ids_T, position_ids_T, temperatures_T, chunk_size, is_target_T, replay_TRA
         )
     if is_custom_model(model):
-        hidden_TD = custom_hidden(model, input_ids_T, position_ids_T, layout)
+        hidden_TD = custom_hidden(model, input_ids_T, position_ids_T, layout, replay_TRA)
         head_weight_VD, head_bias_V = model.lm_head_weight, None
     else:
         check_plain_lm_head(model)
@@ -98,13 +102,17 @@ def _context_parallel_logprobs(
     temperatures_T: Tensor,
     chunk_size: int,
     is_target_T: Tensor,
+    replay_TRA: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """packed_logprobs of our model with the row sharded over the cp group (parallel/cp.py)."""
     if not is_custom_model(model):
         raise NotImplementedError("context parallelism runs our models only (trainer.model_impl = 'custom')")
     shard = cp.shard_row(input_ids_T, position_ids_T)
     context = ContextShard(shard.row_position_ids_T[None], shard.offset, cp.gather_tokens)
-    hidden_tD = model.forward_hidden(shard.input_ids_t[None], shard.position_ids_t[None], context)[0]
+    replay_tRA = None if replay_TRA is None else cp.shard_tokens(replay_TRA, pad_value=-1)
+    hidden_tD = model.forward_hidden(
+        shard.input_ids_t[None], shard.position_ids_t[None], context, None if replay_tRA is None else replay_tRA[None]
+    )[0]
     owned_T = cp.owned_tokens(input_ids_T.numel(), input_ids_T.device)
     target_N = torch.nonzero(is_target_T & owned_T).squeeze(-1)
     logprobs_T, entropy_T = _scatter_head_logprobs(
@@ -136,17 +144,41 @@ def _scatter_head_logprobs(
     return zeros_T.index_copy(0, target_N, logprobs_N), zeros_T.index_copy(0, target_N, entropy_N)
 
 
-def custom_hidden(model: DecoderLM, input_ids_T: Tensor, position_ids_T: Tensor, layout: PaddedLayout) -> Tensor:
+def custom_hidden(
+    model: DecoderLM,
+    input_ids_T: Tensor,
+    position_ids_T: Tensor,
+    layout: PaddedLayout,
+    replay_TRA: Tensor | None = None,
+) -> Tensor:
     """hidden_TD of our model, run as the packed row or as one padded row per sample (row_layout.py)."""
     device = input_ids_T.device
     autocast = torch.is_autocast_enabled(device.type)
     compute_dtype = torch.get_autocast_dtype(device.type) if autocast else model.lm_head_weight.dtype
     if not use_padded_rows(model, layout, device, compute_dtype):
-        return model.forward_hidden(input_ids_T[None], position_ids_T[None])[0]
+        replay = None if replay_TRA is None else replay_TRA[None]
+        return model.forward_hidden(input_ids_T[None], position_ids_T[None], None, replay)[0]
     input_ids_BL = unpack(input_ids_T, layout, pad_value=0)
+    replay_BLRA = None if replay_TRA is None else unpack(replay_TRA, layout, pad_value=-1)
     # Pads continue their row's positions: each row is then one causal sample, whatever its pads are.
     position_ids_BL = torch.arange(layout.max_len, device=device).expand(layout.num_rows, -1)
-    return pack(model.forward_hidden(input_ids_BL, position_ids_BL), layout)
+    return pack(model.forward_hidden(input_ids_BL, position_ids_BL, None, replay_BLRA), layout)
+
+
+def check_replay(model: nn.Module, replay_TRA: Tensor, num_tokens: int) -> None:
+    """Raise unless `replay_TRA` fits the micro-batch and our MoE model (R MoE blocks, expert ids in range)."""
+    if not is_custom_model(model) or not model.num_moe_blocks:
+        raise ValueError(
+            "the batch carries router replay (orchestrator.router_replay) but the trainer runs no MoE model of ours: "
+            "router replay needs an MoE model with trainer.model_impl = 'custom'"
+        )
+    num_experts = model.args.num_experts
+    if replay_TRA.shape[:2] != (num_tokens, model.num_moe_blocks) or int(replay_TRA.max()) >= num_experts:
+        raise ValueError(
+            f"router replay of shape {tuple(replay_TRA.shape)} (largest expert id {int(replay_TRA.max())}) does not "
+            f"fit {num_tokens} tokens, {model.num_moe_blocks} MoE layers and {num_experts} experts: does inference "
+            "serve the same model?"
+        )
 
 
 def chunked_lm_head_logprobs(

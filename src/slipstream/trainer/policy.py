@@ -18,8 +18,9 @@ WRAPPED_PREFIX = "model."
 
 
 class Policy(nn.Module):
-    """`forward(input_ids_T, position_ids_T, temperatures_T, loss_mask_T=None) -> (logprobs_T, entropy_T)`
-    (see packed_logprobs): with `loss_mask_T` the LM head runs only for loss tokens (0 elsewhere).
+    """`forward(input_ids_T, position_ids_T, temperatures_T, loss_mask_T=None, replay_TRA=None) -> (logprobs_T,
+    entropy_T)` (see packed_logprobs): with `loss_mask_T` the LM head runs only for loss tokens (0 elsewhere);
+    `replay_TRA` replays inference's routing in the MoE layers (router replay).
 
     With `context_parallel` (parallel/cp.py) the ranks of a cp group pass the same micro-batch, each runs its shard
     of the row, and each returns the whole row's values; `owned_tokens` says which tokens' loss a rank adds up."""
@@ -33,7 +34,12 @@ class Policy(nn.Module):
         self.context_parallel = context_parallel
 
     def forward(
-        self, input_ids_T: Tensor, position_ids_T: Tensor, temperatures_T: Tensor, loss_mask_T: Tensor | None = None
+        self,
+        input_ids_T: Tensor,
+        position_ids_T: Tensor,
+        temperatures_T: Tensor,
+        loss_mask_T: Tensor | None = None,
+        replay_TRA: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         return packed_logprobs(
             self.model,
@@ -43,6 +49,7 @@ class Policy(nn.Module):
             self.chunk_size,
             target_mask_T=loss_mask_T,
             context_parallel=self.context_parallel,
+            replay_TRA=replay_TRA,
         )
 
     def owned_tokens(self, num_tokens: int, device: torch.device) -> Tensor | None:

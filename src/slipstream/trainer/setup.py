@@ -8,9 +8,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from slipstream.config.shared import ModelConfig
 from slipstream.config.trainer import TrainerConfig
+from slipstream.models.common.fp8 import apply_fp8
 from slipstream.models.common.moe import find_grouped_experts
 from slipstream.parallel.cp import ContextParallel
 from slipstream.parallel.dist import RankInfo, barrier, init_distributed, rank_device, read_rank_info
@@ -18,6 +20,7 @@ from slipstream.parallel.fsdp import fsdp_param_dtype, parallelize_model
 from slipstream.parallel.mesh import ParallelDims, build_mesh, resolve_parallel_dims
 from slipstream.rundir import RunDir
 from slipstream.trainer.ckpt import CheckpointMeta, load_checkpoint, resolve_resume_step
+from slipstream.trainer.optim import AdamWBf16Moments
 from slipstream.trainer.policy import Policy, load_model
 from slipstream.trainer.weights import build_probe_token_ids
 
@@ -92,6 +95,8 @@ def setup_trainer(config: TrainerConfig) -> Trainer:
     model_dir = resolve_model_once(config.model, info)
     model, impl = load_model(model_dir, config.model_impl)
     check_parallel_fits_model(dims, model, impl)
+    if config.fp8:  # swap in the FP8 layers before any parallelism wraps them (models/common/fp8.py)
+        apply_fp8(model, device)
     compute_dtype = DTYPES[config.model.dtype]
     mesh = build_mesh(dims, device.type) if info.world_size > 1 else None
     context_parallel = ContextParallel(mesh.cp) if mesh is not None and mesh.cp is not None else None
@@ -102,6 +107,7 @@ def setup_trainer(config: TrainerConfig) -> Trainer:
         compute_dtype,
         compile=config.compile,
         experts=find_grouped_experts(model),
+        cpu_offload=config.optim.cpu_offload,
     )
     if mesh is None:
         policy.to(device)
@@ -156,15 +162,24 @@ def check_parallel_fits_model(dims: ParallelDims, model: nn.Module, impl: str) -
 
 
 def build_optimizer(policy: nn.Module, config: TrainerConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over the float32 masters; on CUDA the fused implementation (one kernel for all parameters)."""
-    return torch.optim.AdamW(
-        policy.parameters(),
-        lr=config.optim.lr,
-        betas=config.optim.betas,
-        eps=config.optim.eps,
-        weight_decay=config.optim.weight_decay,
-        fused=True if device.type == "cuda" else None,
-    )
+    """AdamW over the float32 masters: torch's with float32 moments (on CUDA the fused implementation, one kernel for
+    all parameters), or with `optim.state_dtype = "bfloat16"` trainer/optim.py's bf16 moments. With
+    `optim.cpu_offload` FSDP already put masters and gradients in CPU memory (parallel/fsdp.py): the moments follow
+    them and the step runs on the CPU."""
+    optim = config.optim
+    if optim.cpu_offload and (device.type != "cuda" or not isinstance(policy, FSDPModule)):
+        raise ValueError(
+            "trainer.optim.cpu_offload offloads FSDP's sharded state from GPUs to CPU memory: it needs trainer.device "
+            f"'cuda' and several ranks (torchrun); this run has device {device.type} and "
+            f"{'FSDP' if isinstance(policy, FSDPModule) else 'no FSDP'}: set cpu_offload = false"
+        )
+    if optim.cpu_offload and any(p.device.type != "cpu" for p in policy.parameters()):
+        raise RuntimeError("trainer.optim.cpu_offload is set but parallelize_model left parameters on the GPU")
+    hyper = dict(lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+    if optim.state_dtype == "bfloat16":
+        return AdamWBf16Moments(policy.parameters(), **hyper)
+    fused = device.type == "cuda" and not optim.cpu_offload
+    return torch.optim.AdamW(policy.parameters(), **hyper, fused=True if fused else None)
 
 
 def maybe_resume(trainer: Trainer, config: TrainerConfig) -> None:

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from slipstream.config.trainer import LossConfig
+from slipstream.models.common.moe import TopKRouter
 from slipstream.parallel.dist import all_reduce_max, all_reduce_sum
 from slipstream.parallel.grad import clip_grad_norm
 from slipstream.trainer.data import to_packed
@@ -43,13 +44,19 @@ def train_step(
     entropy_sum = torch.zeros((), device=device)
     num_tokens = 0
     num_passes = all_reduce_max(len(batch.micro_batches), device)
+    routers = [m for m in policy.modules() if isinstance(m, TopKRouter)]
+    replay_sums = torch.zeros(3, dtype=torch.float64, device=device)  # (token-layers, replayed, agreeing)
     for i in range(num_passes):
         is_padding = i >= len(batch.micro_batches)
         packed = to_packed(batch.micro_batches[min(i, len(batch.micro_batches) - 1)], device)
         with mixed_precision(device, autocast_dtype):
             # Only loss tokens go through the LM head: the loss and the logged entropy read nothing else.
             logprobs_T, entropy_T = policy(
-                packed.input_ids_T, packed.position_ids_T, packed.temperatures_T, packed.loss_mask_T
+                packed.input_ids_T,
+                packed.position_ids_T,
+                packed.temperatures_T,
+                packed.loss_mask_T,
+                replay_TRA=packed.replay_TRA,
             )
         # Context parallelism: the cp ranks share this micro-batch, and each adds up the loss of its own tokens.
         owned_T = policy.owned_tokens(packed.num_tokens, device)
@@ -66,6 +73,14 @@ def train_step(
         if is_padding:
             (loss * 0.0).backward()  # keeps this rank in step with the others' collectives; adds no gradient
             continue
+        if packed.replay_TRA is not None:
+            counts = sum(r.replay_counts for r in routers if r.replay_counts is not None)
+            # The cp ranks of a group share the micro-batch and each counts its own shard's replays.
+            cp = getattr(policy, "context_parallel", None)
+            token_layers = packed.replay_TRA[:, :, 0].numel() / (cp.num_ranks if cp is not None else 1)
+            replay_sums += torch.cat([replay_sums.new_tensor([token_layers]), counts])
+            for router in routers:
+                router.replay_counts = None
         loss.backward()
         total = stats if total is None else total + stats
         summed_T = packed.loss_mask_T if owned_T is None else packed.loss_mask_T & owned_T
@@ -73,7 +88,7 @@ def train_step(
         num_tokens += packed.num_tokens if owned_T is None else int(owned_T.sum())
 
     grad_norm, skipped = clip_and_step(policy, optimizer, max_grad_norm)
-    metrics = summarize_step(total, entropy_sum, grad_norm, optimizer, batch, num_tokens)
+    metrics = summarize_step(total, entropy_sum, grad_norm, optimizer, batch, num_tokens, replay_sums)
     return metrics | {"nonfinite/skipped": float(skipped)}
 
 
@@ -96,15 +111,26 @@ def summarize_step(
     optimizer: torch.optim.Optimizer,
     batch: TrainingBatch,
     num_tokens: int,
+    replay_sums: Tensor | None = None,
 ) -> dict[str, float | None]:
-    """Exact means over the step's loss tokens on all ranks (None where a mean has no tokens); one all-reduce."""
+    """Exact means over the step's loss tokens on all ranks (None where a mean has no tokens); one all-reduce.
+    `replay_sums`: router replay's (token-layers of replayed micro-batches, replayed, agreeing) on this rank."""
     names = [f.name for f in fields(total)]
     local = [getattr(total, name).double() for name in names]
     local += [entropy_sum.double(), torch.tensor(num_tokens, dtype=torch.float64, device=entropy_sum.device)]
+    replay = replay_sums if replay_sums is not None else torch.zeros(3, dtype=torch.float64, device=entropy_sum.device)
+    local += list(replay.unbind(0))
     values = all_reduce_sum(torch.stack(local)).tolist()
-    s = dict(zip([*names, "entropy_sum", "num_tokens"], values, strict=True))
+    replay_names = ["replay_token_layers", "replayed", "agreeing"]
+    s = dict(zip([*names, "entropy_sum", "num_tokens", *replay_names], values, strict=True))
     num_loss, num_masked = s["num_loss_tokens"], s["num_masked"]
-    return {
+    replay_metrics = {}
+    if s["replay_token_layers"] > 0:
+        replay_metrics = {
+            "router/replayed_fraction": s["replayed"] / s["replay_token_layers"],
+            "router/agreement": _mean(s["agreeing"], s["replayed"]),
+        }
+    return replay_metrics | {
         "loss": s["loss"],
         "mismatch_kl": _mean(s["mismatch_kl_sum"], num_loss),
         "mismatch_kl_masked": _mean(s["mismatch_kl_masked_sum"], num_masked),

@@ -15,6 +15,18 @@ from slipstream.utils.fs import atomic_write_bytes
 BATCH_FORMAT_VERSION = 1
 
 
+class Routing(msgspec.Struct, frozen=True):
+    """Router replay: the experts inference routed each token of a micro-batch to, as raw C-order bytes of a
+    [tokens, moe_layers, top_k] array of `dtype` ("uint8" or "uint16"); the dtype's largest value marks a token
+    inference did not route (the trainer routes it itself). Kept binary: one byte per (token, layer, expert slot)
+    for up to 255 experts."""
+
+    data: bytes
+    dtype: str
+    num_layers: int
+    top_k: int
+
+
 class MicroBatch(msgspec.Struct, frozen=True):
     """Packed samples for one forward/backward pass."""
 
@@ -30,6 +42,8 @@ class MicroBatch(msgspec.Struct, frozen=True):
     """Log-prob inference gave the token when sampling it (0 where loss_mask is False)."""
     temperatures: list[float]
     """Sampling temperature of the token (1.0 where loss_mask is False)."""
+    routing: Routing | None = None
+    """Router replay of the micro-batch's tokens (MoE models with orchestrator.router_replay); None: none."""
 
 
 class TrainingBatch(msgspec.Struct, frozen=True):

@@ -4,12 +4,15 @@ Simulator-only extension: every choice carries `token_versions`, the policy vers
 tokens was generated (real vLLM has no such field).
 """
 
+import base64
+import io
 import itertools
 import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -23,6 +26,7 @@ from slipstream.inference.sim.policy import (
     plan_completion,
     request_seed,
     sim_logprob,
+    sim_routing,
     token_text,
     tokenize_messages,
     tokenize_text,
@@ -126,6 +130,9 @@ class SimServer:
         max_tokens = _int_field(body, "max_completion_tokens", body.get("max_tokens"), 1)
         seqs = await self._generate(body, "chat", prompt_ids, max_tokens)
         choices = [self._chat_choice(i, seq, body) for i, seq in enumerate(seqs)]
+        if self.config.routed_experts_layers:
+            for choice, seq in zip(choices, seqs, strict=True):
+                choice["routed_experts"] = self._routed_experts(prompt_ids + seq.token_ids)
         reply = self._envelope("chatcmpl", "chat.completion", model, choices, prompt_ids, seqs)
         if body.get("return_token_ids"):
             reply["prompt_token_ids"] = prompt_ids
@@ -227,6 +234,16 @@ class SimServer:
             "choices": choices,
             "usage": usage,
         }
+
+    def _routed_experts(self, token_ids: list[int]) -> str:
+        """vLLM's `routed_experts` field: base64 `.npy` bytes of the sequence's routing."""
+        c = self.config
+        routed = sim_routing(
+            token_ids, c.routed_experts_layers, c.routed_experts_top_k, c.routed_experts_num_experts, c.seed
+        )
+        buffer = io.BytesIO()
+        np.save(buffer, routed, allow_pickle=False)
+        return base64.b64encode(buffer.getvalue()).decode("ascii")
 
     def _chat_choice(self, index: int, seq: Sequence, body: dict[str, Any]) -> dict[str, Any]:
         text = "".join(token_text(t) for t in seq.token_ids)

@@ -59,6 +59,16 @@ class SimConfig(BaseConfig):
     require_ready_marker: bool = True
     """Like Slipstream's vLLM engine, reject loading a weights folder without its READY marker."""
 
+    routed_experts_layers: int = Field(0, ge=0)
+    """Return routed experts like vLLM's `--enable-return-routed-experts` for an MoE model of this many MoE layers
+    (0: off): every chat choice gets `routed_experts`, pseudo-random experts (policy.sim_routing) per token."""
+
+    routed_experts_top_k: int = Field(2, ge=1)
+    """Experts per token of the returned routing."""
+
+    routed_experts_num_experts: int = Field(8, ge=1)
+    """Experts per MoE layer of the returned routing (ids in [0, this))."""
+
     transfer_device: str = "cpu"
     """Device broadcast weights are received on (`cuda:0` to receive over NCCL on a GPU)."""
 

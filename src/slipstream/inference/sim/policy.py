@@ -52,3 +52,16 @@ def plan_completion(seed: str, index: int, max_tokens: int, vocab_size: int, sto
         if rng.random() < stop_prob:
             return token_ids, "stop"
     return token_ids, "length"
+
+
+def sim_routing(token_ids: list[int], num_layers: int, top_k: int, num_experts: int, seed: int = 0):
+    """The simulator's routed experts of a sequence, as vLLM returns them: [len(token_ids) - 1, num_layers, top_k]
+    (the last token is never forwarded), top_k distinct experts per token and layer, a function of the sequence."""
+    import numpy as np
+
+    if top_k > num_experts:
+        raise ValueError(f"routed_experts_top_k ({top_k}) exceeds routed_experts_num_experts ({num_experts})")
+    digest = hashlib.blake2b(json.dumps([seed, token_ids]).encode(), digest_size=8).digest()
+    rng = np.random.default_rng(int.from_bytes(digest, "little"))
+    scores = rng.random((max(len(token_ids) - 1, 0), num_layers, num_experts))
+    return np.argsort(scores, axis=-1)[..., :top_k].astype(np.uint8 if num_experts < 255 else np.uint16)

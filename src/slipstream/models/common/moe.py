@@ -20,14 +20,31 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        self.replay_counts: Tensor | None = None
+        """(replayed tokens, of those the ones whose own top-A set was inference's) of the last replayed forward."""
 
-    def forward(self, x_ND: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(probs_NE float32, expert_ids_NA, weights_NA float32)."""
+    def forward(self, x_ND: Tensor, replay_NA: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """(probs_NE float32, expert_ids_NA, weights_NA float32).
+
+        Router replay: `replay_NA` holds the experts inference chose for each token (-1 on every slot of a token it
+        did not route, such as prompt tokens it never forwarded or tool output): those tokens go to the replayed
+        experts, the others to this router's own top-A. The gate weights always come from this router's
+        probabilities, taken at the chosen experts: gradients still reach the router, and only the discrete choice
+        (what flips between bf16 inference and the float32 trainer) is replayed. (The alternative, inference's own
+        gate weights, is not returned by vLLM and would cut the router's gradient.)"""
         # Router logits stay float32 even under autocast: bf16 logits flip top-k choices (train/inference mismatch).
         with torch.autocast(x_ND.device.type, enabled=False):
             logits_NE = F.linear(x_ND.float(), self.weight.float())
         probs_NE = logits_NE.softmax(dim=-1)
         weights_NA, expert_ids_NA = probs_NE.topk(self.top_k, dim=-1)
+        if replay_NA is not None:
+            replay_NA = replay_NA.to(expert_ids_NA.dtype)
+            routed_N = (replay_NA >= 0).all(dim=-1)
+            with torch.no_grad():  # routing agreement: the router's own top-A set is inference's
+                same_N = (expert_ids_NA.sort(dim=-1).values == replay_NA.sort(dim=-1).values).all(dim=-1)
+                self.replay_counts = torch.stack([routed_N.sum(), (same_N & routed_N).sum()])
+            expert_ids_NA = torch.where(routed_N[:, None], replay_NA, expert_ids_NA)
+            weights_NA = probs_NE.gather(-1, expert_ids_NA)
         if self.norm_topk_prob:
             weights_NA = weights_NA / weights_NA.sum(dim=-1, keepdim=True)
         return probs_NE, expert_ids_NA, weights_NA
@@ -38,12 +55,18 @@ class GroupedExperts(nn.Module):
 
     `forward(x_MD, counts_E)` takes rows sorted by expert (`counts_E[e]` rows for expert e, in order). Under expert
     parallelism the weights are DTensors sharded on dim 0 and the rows are those of this rank's experts: the
-    forward then runs on the local [E / ep, ...] weights. `use_grouped_mm` runs all experts through
-    `torch._grouped_mm` (one kernel per projection on GPU; CPU works too); otherwise a loop over the experts (the
-    CPU reference). Both give the same result.
+    forward then runs on the local [E / ep, ...] weights. `use_grouped_mm` (default) runs all experts through
+    `torch._grouped_mm`: one kernel per projection on GPU; on CPU as fast as the loop or faster (float32 and bf16).
+    `use_grouped_mm = False` loops over the experts (the reference). Both give the same result. torch.compile traces
+    `torch._grouped_mm` in bf16 only (its meta kernel): float32 grouped matmuls break a compiled graph there.
+
+    Mixed precision: `torch._grouped_mm` has no autocast rule, so under autocast the grouped path casts the rows and
+    the weights to the autocast dtype itself (as autocast does for the dense linears and for the loop's matmuls); the
+    float32 masters stay and receive float32 gradients through the cast. Without autocast the rows are cast to the
+    weights' dtype (bf16 under FSDP's bf16 all-gather: no second cast of the weights).
     """
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = False):
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
         super().__init__()
         self.num_experts, self.use_grouped_mm = num_experts, use_grouped_mm
         self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
@@ -69,6 +92,8 @@ class GroupedExperts(nn.Module):
 
     @staticmethod
     def _grouped_mm(x_MD: Tensor, counts_E: Tensor, gate_EFD: Tensor, up_EFD: Tensor, down_EDF: Tensor) -> Tensor:
+        dtype = grouped_mm_dtype(x_MD.device.type, gate_EFD.dtype)
+        x_MD, gate_EFD, up_EFD, down_EDF = (t.to(dtype) for t in (x_MD, gate_EFD, up_EFD, down_EDF))
         offsets_E = counts_E.cumsum(0).to(torch.int32)
         gate_MF = torch._grouped_mm(x_MD, gate_EFD.transpose(-2, -1), offs=offsets_E)
         up_MF = torch._grouped_mm(x_MD, up_EFD.transpose(-2, -1), offs=offsets_E)
@@ -77,6 +102,14 @@ class GroupedExperts(nn.Module):
     def init_weights(self, std: float) -> None:
         for weight in (self.gate_proj, self.up_proj, self.down_proj):
             nn.init.normal_(weight, mean=0.0, std=std)
+
+
+def grouped_mm_dtype(device_type: str, weight_dtype: torch.dtype) -> torch.dtype:
+    """Dtype the grouped expert matmuls run in: autocast's when it is on for `device_type` (as for a dense linear),
+    else the weights' own."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight_dtype
 
 
 def _local(weight: Tensor) -> Tensor:
@@ -90,8 +123,15 @@ def sort_by_expert(expert_ids_NA: Tensor, num_experts: int) -> tuple[Tensor, Ten
     pairs per expert. Pair m of the sorted order is flat pair `order_M[m]` of expert_ids_NA."""
     top_k = expert_ids_NA.shape[1]
     order_M = torch.argsort(expert_ids_NA.reshape(-1), stable=True)
-    counts_E = torch.bincount(expert_ids_NA.reshape(-1), minlength=num_experts)
-    return order_M, order_M // top_k, counts_E
+    return order_M, order_M // top_k, count_per_expert(expert_ids_NA, num_experts)
+
+
+def count_per_expert(expert_ids_NA: Tensor, num_experts: int) -> Tensor:
+    """counts_E (int64): how many of the (token, expert) pairs go to each expert. A scatter-add rather than
+    `torch.bincount`, whose output size depends on the data: torch.compile breaks the graph there."""
+    ids_M = expert_ids_NA.reshape(-1)
+    ones_M = torch.ones_like(ids_M, dtype=torch.int64)
+    return ids_M.new_zeros(num_experts, dtype=torch.int64).scatter_add_(0, ids_M, ones_M)
 
 
 class MoE(nn.Module):
@@ -115,9 +155,11 @@ class MoE(nn.Module):
         """Value of the last forward's load-balance loss (detached): E * sum_e f_e * P_e with
         f_e = tokens_per_expert_E / N and P_e = router_prob_mean_E; equals A when routing is perfectly balanced."""
 
-    def forward(self, x_BTD: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, x_BTD: Tensor, replay_BTA: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """`replay_BTA`: experts inference routed each token to (router replay, see TopKRouter), -1 where none."""
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
-        probs_NE, expert_ids_NA, weights_NA = self.router(x_ND)
+        replay_NA = None if replay_BTA is None else replay_BTA.reshape(x_ND.shape[0], -1)
+        probs_NE, expert_ids_NA, weights_NA = self.router(x_ND, replay_NA)
         # y = sum over a token's A experts of weight * expert(x), with each expert's rows contiguous.
         order_M, token_M, counts_E = sort_by_expert(expert_ids_NA, self.num_experts)
         y_MD = self.experts(x_ND[token_M], counts_E)
@@ -129,7 +171,7 @@ class MoE(nn.Module):
     def _load_balance_loss(self, probs_NE: Tensor, expert_ids_NA: Tensor) -> Tensor:
         """The differentiable aux loss; records the detached statistics on the module."""
         num_tokens = probs_NE.shape[0]
-        tokens_per_expert_E = torch.bincount(expert_ids_NA.reshape(-1), minlength=self.num_experts)
+        tokens_per_expert_E = count_per_expert(expert_ids_NA, self.num_experts)
         router_prob_mean_E = probs_NE.mean(dim=0)
         fraction_E = tokens_per_expert_E.float() / num_tokens
         aux_loss = self.num_experts * (fraction_E * router_prob_mean_E).sum()

@@ -50,11 +50,14 @@ class TransformerBlock(nn.Module):
 class MoETransformerBlock(TransformerBlock):
     """A block whose `mlp` returns (y, aux_loss) (common/moe.py): returns (x_BTD, aux_loss)."""
 
+    routes_tokens = True
+    """Marks the blocks that take a router replay (`replay_BTA`: the experts inference chose, common/moe.py)."""
+
     def forward(
-        self, x_BTD: Tensor, cos_BTK: Tensor, sin_BTK: Tensor, layout: AttentionLayout
+        self, x_BTD: Tensor, cos_BTK: Tensor, sin_BTK: Tensor, layout: AttentionLayout, replay_BTA: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos_BTK, sin_BTK, layout)
-        y_BTD, aux_loss = self.mlp(self.mlp_norm(x_BTD))
+        y_BTD, aux_loss = self.mlp(self.mlp_norm(x_BTD), replay_BTA)
         return x_BTD + y_BTD, aux_loss
 
 
@@ -83,17 +86,36 @@ class DecoderLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward_hidden(
-        self, input_ids_BT: Tensor, position_ids_BT: Tensor, context: ContextShard | None = None
+        self,
+        input_ids_BT: Tensor,
+        position_ids_BT: Tensor,
+        context: ContextShard | None = None,
+        replay_BTRA: Tensor | None = None,
     ) -> Tensor:
         """h_BTD: final-normed hidden states; samples of a row (position_ids restart at 0) never see each other.
-        With `context` (context parallelism) the rows are one shard of longer rows (common/attention.py)."""
-        return self.forward_hidden_with_aux_loss(input_ids_BT, position_ids_BT, context)[0]
+        With `context` (context parallelism) the rows are one shard of longer rows (common/attention.py).
+        `replay_BTRA`: router replay, the experts inference chose per token for each of the R MoE blocks in depth
+        order (-1 where it did not route the token); see common/moe.py."""
+        return self.forward_hidden_with_aux_loss(input_ids_BT, position_ids_BT, context, replay_BTRA)[0]
+
+    @property
+    def num_moe_blocks(self) -> int:
+        return sum(1 for layer in self.layers if getattr(layer, "routes_tokens", False))
 
     def forward_hidden_with_aux_loss(
-        self, input_ids_BT: Tensor, position_ids_BT: Tensor, context: ContextShard | None = None
+        self,
+        input_ids_BT: Tensor,
+        position_ids_BT: Tensor,
+        context: ContextShard | None = None,
+        replay_BTRA: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """(h_BTD, aux_loss_L): hidden states and the differentiable auxiliary losses of the blocks that have one
         (empty for dense models); adding them to a loss is the caller's choice."""
+        if replay_BTRA is not None and replay_BTRA.shape[:3] != (*input_ids_BT.shape, self.num_moe_blocks):
+            raise ValueError(
+                f"router replay of shape {tuple(replay_BTRA.shape)} for {tuple(input_ids_BT.shape)} tokens and "
+                f"{self.num_moe_blocks} MoE blocks"
+            )
         h_BTD = self.embed_tokens(input_ids_BT)
         cos_BTK, sin_BTK = rope_cos_sin(self.args.rope, self.args.head_dim, position_ids_BT, h_BTD.dtype)
         device_type = h_BTD.device.type
@@ -102,8 +124,13 @@ class DecoderLM(nn.Module):
             position_ids_BT, torch.get_autocast_dtype(device_type) if autocast else h_BTD.dtype, context
         )
         aux_losses = []
+        moe_index = 0
         for layer in self.layers:
-            out = layer(h_BTD, cos_BTK, sin_BTK, layout)
+            if replay_BTRA is not None and getattr(layer, "routes_tokens", False):
+                out = layer(h_BTD, cos_BTK, sin_BTK, layout, replay_BTRA[:, :, moe_index])
+                moe_index += 1
+            else:
+                out = layer(h_BTD, cos_BTK, sin_BTK, layout)
             if isinstance(out, tuple):
                 out, aux_loss = out
                 aux_losses.append(aux_loss)

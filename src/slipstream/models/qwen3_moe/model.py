@@ -31,7 +31,8 @@ class Qwen3Moe(DecoderLM):
     API (from DecoderLM): `forward_hidden`, `forward_hidden_with_aux_loss`, `lm_head_weight`, `logits`, `forward`;
     plus `forward_with_aux_loss` (logits and the differentiable per-layer load-balance losses, never added to any
     loss by the model) and `moe_stats()` (detached load-balance statistics of the last forward, for logging).
-    Set `experts.use_grouped_mm = True` on each MoE layer (`set_grouped_mm`) to run experts via torch._grouped_mm.
+    Experts run through torch._grouped_mm by default (GPU and CPU; in the autocast dtype under autocast);
+    `set_grouped_mm(False)` switches every MoE layer to the per-expert loop (the reference).
     """
 
     def __init__(self, args: Qwen3MoeArgs):
@@ -47,7 +48,7 @@ class Qwen3Moe(DecoderLM):
         return collect_moe_stats(self)
 
     def set_grouped_mm(self, enabled: bool) -> None:
-        """Choose torch._grouped_mm (True) or the per-expert loop (False) for every MoE layer."""
+        """Choose torch._grouped_mm (True, the default) or the per-expert loop (False) for every MoE layer."""
         for module in self.modules():
             if isinstance(module, MoE):
                 module.experts.use_grouped_mm = enabled
