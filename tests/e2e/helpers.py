@@ -1,7 +1,9 @@
 """Helpers for end-to-end runs: free ports, run configs, and finding every process a run started."""
 
+import contextlib
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -90,6 +92,21 @@ def wait_healthy(server: subprocess.Popen, url: str, log_path) -> None:
         except httpx.HTTPError:
             pass
         time.sleep(1)
+
+
+@contextlib.contextmanager
+def running_sim(port: int, log_path, *args: str, env: dict | None = None):
+    """The simulated inference server (`python -m slipstream.inference.sim --port PORT ARGS`) for the duration of
+    the block, healthy before it starts, logging to `log_path`."""
+    argv = [sys.executable, "-m", "slipstream.inference.sim", "--port", str(port), *args]
+    with open(log_path, "w") as log:
+        sim = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(sim, f"http://127.0.0.1:{port}", log_path)
+        yield sim
+    finally:
+        sim.terminate()
+        sim.wait(timeout=30)
 
 
 RESUME_MAX_STEPS = 4

@@ -13,7 +13,7 @@ import numpy as np
 
 from slipstream.inference.sim.policy import sim_routing
 from slipstream.transport.rollouts import TrainingBatch
-from tests.e2e.helpers import free_port, wait_healthy, write_config
+from tests.e2e.helpers import free_port, running_sim, write_config
 
 MAX_STEPS = 3
 LAYERS, TOP_K, EXPERTS = 2, 2, 8  # the tiny qwen3_moe (models/tiny.py)
@@ -22,15 +22,10 @@ LAYERS, TOP_K, EXPERTS = 2, 2, 8  # the tiny qwen3_moe (models/tiny.py)
 def test_router_replay_through_orchestrator_batches_and_an_ep2_trainer(tiny_model_factory, tmp_path):
     model_dir = tiny_model_factory("qwen3_moe")
     out, port = tmp_path / "run", free_port()
-    sim_log = tmp_path / "sim.log"
-    sim_argv = [sys.executable, "-m", "slipstream.inference.sim", "--port", str(port), "--vocab-size", "256"]
-    sim_argv += ["--model-name", str(model_dir), "--default-max-tokens", "12", "--seed", "3"]
-    sim_argv += ["--routed-experts-layers", str(LAYERS), "--routed-experts-top-k", str(TOP_K)]
-    sim_argv += ["--routed-experts-num-experts", str(EXPERTS)]
-    with open(sim_log, "w") as log:
-        sim = subprocess.Popen(sim_argv, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_healthy(sim, f"http://127.0.0.1:{port}", sim_log)
+    sim_args = ["--vocab-size", "256", "--model-name", str(model_dir), "--default-max-tokens", "12", "--seed", "3"]
+    sim_args += ["--routed-experts-layers", str(LAYERS), "--routed-experts-top-k", str(TOP_K)]
+    sim_args += ["--routed-experts-num-experts", str(EXPERTS)]
+    with running_sim(port, tmp_path / "sim.log", *sim_args):
         config = {
             "max_steps": MAX_STEPS,
             "output_dir": str(out),
@@ -55,9 +50,6 @@ def test_router_replay_through_orchestrator_batches_and_an_ep2_trainer(tiny_mode
         }
         cmd = [sys.executable, "-m", "slipstream", "rl", "-c", str(write_config(tmp_path / "rl.toml", config))]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    finally:
-        sim.terminate()
-        sim.wait(timeout=30)
     logs = "\n".join(p.read_text()[-3000:] for p in sorted((out / "logs").glob("*.log"))) if out.exists() else ""
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{logs}"
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

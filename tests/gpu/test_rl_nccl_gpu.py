@@ -18,7 +18,7 @@ import torch
 
 from slipstream.transport.weight_offers import read_manifest
 from slipstream.transport.weights import READY, weights_dir
-from tests.e2e.helpers import free_port, wait_healthy, write_config
+from tests.e2e.helpers import free_port, running_sim, write_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 CUDA GPUs")]
 MAX_STEPS = 5
@@ -28,12 +28,8 @@ def test_rl_trainer_fsdp2_sends_weights_over_nccl_to_a_third_gpu(tiny_qwen3_dir,
     out, port = tmp_path / "run", free_port()
     sim_log = tmp_path / "sim.log"
     sim_env = {**os.environ, "CUDA_VISIBLE_DEVICES": "2", "PYTHONUNBUFFERED": "1"}
-    sim_argv = [sys.executable, "-m", "slipstream.inference.sim", "--port", str(port), "--vocab-size", "256"]
-    sim_argv += ["--model-name", str(tiny_qwen3_dir), "--transfer-device", "cuda:0", "--default-max-tokens", "12"]
-    with open(sim_log, "w") as log:
-        sim = subprocess.Popen(sim_argv, env=sim_env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_healthy(sim, f"http://127.0.0.1:{port}", sim_log)
+    sim_args = ["--vocab-size", "256", "--model-name", str(tiny_qwen3_dir), "--transfer-device", "cuda:0"]
+    with running_sim(port, sim_log, *sim_args, "--default-max-tokens", "12", env=sim_env):
         config = {
             "max_steps": MAX_STEPS,
             "output_dir": str(out),
@@ -59,9 +55,6 @@ def test_rl_trainer_fsdp2_sends_weights_over_nccl_to_a_third_gpu(tiny_qwen3_dir,
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
         except subprocess.TimeoutExpired as e:
             pytest.fail(f"slipstream rl did not finish in 240 s: {e.stdout}\n{e.stderr}\n{_logs(out, sim_log)}")
-    finally:
-        sim.terminate()
-        sim.wait(timeout=30)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}\n{_logs(out, sim_log)}"
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, MAX_STEPS + 1))
