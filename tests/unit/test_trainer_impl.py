@@ -114,3 +114,22 @@ def test_publishing_our_model_writes_a_transformers_checkpoint(tiny_model_factor
         logits = reloaded.eval()(torch.tensor([probe_ids])).logits[0, :-1].float()
     expected_lp = logits.log_softmax(-1).gather(-1, torch.tensor(probe_ids[1:])[:, None]).squeeze(-1)
     torch.testing.assert_close(torch.tensor(probe["logprobs"]), expected_lp, rtol=0, atol=0.03)
+
+
+def test_publishing_a_transformers_moe_writes_its_checkpoint_layout(tiny_model_factory, tmp_path):
+    """transformers keeps an MoE layer's experts fused ([E, 2F, D] gate_up_proj); the published files hold them
+    per expert, as save_pretrained writes them (and vLLM loads them)."""
+    from safetensors.torch import load_file
+
+    path = tiny_model_factory("qwen3_moe")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert any("experts.gate_up_proj" in k for k in hf.state_dict())  # fused in memory
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    probe_ids = tokenizer("hello world")["input_ids"]
+    out = publish_weights(hf, tokenizer, tmp_path, 1, probe_ids, dtype=torch.bfloat16, bucket_bytes=100_000)
+    hf.save_pretrained(tmp_path / "reference")
+    want = load_file(tmp_path / "reference" / "model.safetensors")
+    got = {k: v for shard in sorted(out.glob("*.safetensors")) for k, v in load_file(shard).items()}
+    assert got.keys() == want.keys() and any(".experts.0.gate_proj.weight" in k for k in got)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor.bfloat16()), name

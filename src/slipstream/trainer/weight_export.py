@@ -65,16 +65,27 @@ class HFWeightStream:
         tensors = _named_tensors(model)
         locations = _locations(model)
         parents = {id(child): module for module in model.modules() for child in module.children()}
+        self.model = model
         if is_custom_model(model):
             pieces = _custom_pieces(model, tensors)
         else:
             pieces = {name: [_Piece(name, name, None, tuple(t.shape))] for name, t in tensors.items()}
         groups = [[p for source in group for p in pieces[source]] for group in layer_groups(list(pieces))]
-        self.metas_ = [
-            TensorMeta(p.hf_name, str(dtype).removeprefix("torch."), p.shape) for group in groups for p in group
-        ]
         self.plan = [[_entry(locations[source], ps) for source, ps in _by_source(group)] for group in groups]
         self.owners = [_fsdp_owners([locations[p.source][0] for p in group], parents) for group in groups]
+        # transformers' models keep some tensors in another layout than their checkpoints (MoE experts fused into
+        # one [E, ...] tensor per projection): those layers are converted back as save_pretrained does.
+        self.converted: list[list[str] | None] = [None] * len(groups)
+        published: list[tuple[str, tuple[int, ...]]] = []
+        for k, group in enumerate(groups):
+            layout = [(p.hf_name, p.shape) for p in group]
+            if not is_custom_model(model):
+                saved = _checkpoint_layout(model, {p.source: tensors[p.source] for p in group})
+                if saved != layout:
+                    self.converted[k], layout = [name for name, _ in saved], saved
+            published += layout
+        dtype_name = str(dtype).removeprefix("torch.")
+        self.metas_ = [TensorMeta(name, dtype_name, shape) for name, shape in published]
 
     def metas(self) -> list[TensorMeta]:
         return list(self.metas_)
@@ -103,9 +114,29 @@ class HFWeightStream:
                     runs.append(Run(names, tensor, False))
                 else:
                     runs.append(Run(names, tensor[first : first + len(names)], True))
+            if self.converted[k] is not None:
+                runs = self._to_checkpoint_layout(runs, self.converted[k])
             yield runs
             for module in self.owners[k]:
                 module.reshard()
+
+    def _to_checkpoint_layout(self, runs: list[Run], names: list[str]) -> list[Run]:
+        """A transformers model's layer in its checkpoint layout (save_pretrained's reverse conversion; copies)."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        saved = revert_weight_conversion(self.model, {run.names[0]: run.tensor for run in runs})
+        if list(saved) != names:
+            raise RuntimeError(f"transformers' reverse weight conversion changed: {list(saved)[:3]} vs {names[:3]}")
+        return [Run([name], tensor, False) for name, tensor in saved.items()]
+
+
+def _checkpoint_layout(model: nn.Module, tensors: dict[str, Tensor]) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of the checkpoint tensors save_pretrained writes for these tensors of a transformers model
+    (its weight-conversion mapping reversed, on meta tensors)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    metas = {name: torch.empty(tuple(t.shape), device="meta") for name, t in tensors.items()}
+    return [(name, tuple(t.shape)) for name, t in revert_weight_conversion(model, metas).items()]
 
 
 def _entry(location: tuple[nn.Module, str], pieces: list[_Piece]) -> tuple[nn.Module, str, list[str], int | None]:
