@@ -20,6 +20,7 @@ commands:
   eval          score a model folder or a run's step on an environment split (mean reward, pass@k)
   plot RUN_DIR  write PNG plots of a run into RUN_DIR/plots/
   model         model utilities: `model import NAME|FILE.gguf`, `model tiny --family F --out DIR`
+  env           `env init NAME`: write an installable environment package (docs/environments.md)
 
 Configs: -c/--config FILE.toml (repeatable, later files win), then dotted overrides such as
 --trainer.optim.lr 1e-5. `slipstream <command> --help` lists every option with its default.
@@ -61,6 +62,10 @@ def _main(argv: list[str]) -> int:
         from slipstream.monitor.plots import main as plot_main
 
         return plot_main(rest)
+    if command == "env":
+        from slipstream.envs.scaffold import main as env_main
+
+        return env_main(rest)
     if command not in CONFIG_COMMANDS:
         print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

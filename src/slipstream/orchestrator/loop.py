@@ -34,7 +34,11 @@ async def orchestrate(config: OrchestratorConfig) -> dict[str, float]:
     async with InferenceClient(config.inference_url, config.model.name, config.request_timeout_s) as client:
         await client.wait_healthy(config.health_timeout_s)
         env = build_env(config.env.name, **config.env.args)
-        sampler = TaskSampler(env.tasks("train"), config.batch_size // config.group_size, config.seed)
+        train_tasks = env.tasks("train")
+        print(
+            f"[orchestrator] environment {env.name!r} ({config.env.name}): {len(train_tasks)} train tasks", flush=True
+        )
+        sampler = TaskSampler(train_tasks, config.batch_size // config.group_size, config.seed)
         relay = WeightRelay(client, config)
         pipeline = RolloutPipeline(client, env, sampler, relay, config)
         start_step = await maybe_resume(pipeline, relay, config)
@@ -121,5 +125,7 @@ def write_step(step: int, rollouts: list[Rollout], config: OrchestratorConfig, m
         config.micro_batch_tokens,
         config.num_trainer_ranks,
         metrics,
+        shared_prefix=config.shared_prefix,
+        shared_prefix_min_tokens=config.shared_prefix_min_tokens,
     )
     write_training_batches(config.output_dir, batches)

@@ -1,0 +1,36 @@
+"""An environment from outside Slipstream trains through real vLLM (CPU build): `slipstream env init` writes the
+package, pip installs it into a folder on PYTHONPATH, and `slipstream rl` names it by its entry point, or by import
+path, for 2 steps."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.helpers import tiny_rl_config, write_config
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+
+@pytest.mark.parametrize("env_name", ["word-echo", "word_echo.env:load_environment"])
+def test_rl_trains_on_an_installed_environment_package(env_name, tiny_model_factory, tmp_path, run_env):
+    _, env = run_env
+    subprocess.run([sys.executable, "-m", "slipstream", "env", "init", "word-echo", "--dir", str(tmp_path)], check=True)
+    site = tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site)]
+    subprocess.run([*pip, str(tmp_path / "word-echo")], check=True, capture_output=True)
+    out = tmp_path / "run"
+    config = tiny_rl_config(tiny_model_factory("qwen3"), out, max_steps=2)
+    config["orchestrator"]["env"] = {"name": env_name, "args": {"num_tasks": 32}}
+    cfg = write_config(tmp_path / "rl.toml", config)
+    env = {**env, "PYTHONPATH": str(site)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "slipstream", "rl", "-c", str(cfg)], env=env, capture_output=True, text=True, timeout=840
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(0.0 <= m["reward/mean"] <= 1.0 for m in metrics)
+    # the orchestrator ran the package's environment (its tasks, not a built-in's)
+    assert f"environment 'word-echo' ({env_name}): 32 train tasks" in (out / "logs" / "orchestrator.log").read_text()
