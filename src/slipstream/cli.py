@@ -76,7 +76,7 @@ def _run_config_command(command: str, rest: list[str]) -> int:
     import importlib
 
     from slipstream.config.base import ConfigError
-    from slipstream.config.loader import describe_fields, load_config
+    from slipstream.config.loader import help_rows, load_config
     from slipstream.launch.watchdog import start_from_env
 
     start_from_env()  # a child of `slipstream rl` ends itself when its launcher is gone
@@ -84,8 +84,7 @@ def _run_config_command(command: str, rest: list[str]) -> int:
     config_cls = getattr(importlib.import_module(config_module), config_name)
     if "-h" in rest or "--help" in rest:
         skip = getattr(importlib.import_module(config_module), "HELP_SKIP", ())
-        rows = [row for row in describe_fields(config_cls) if not row[0].startswith(skip)]
-        _print_help(command, config_cls, rows)
+        _print_help(command, config_cls, help_rows(config_cls, skip))
         return 0
     try:
         config = load_config(config_cls, rest)

@@ -147,7 +147,28 @@ def describe_fields(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, s
         if sub is not None:
             rows.extend(describe_fields(sub, f"{key}."))
             continue
-        type_name = getattr(field.annotation, "__name__", None) or str(field.annotation).replace("typing.", "")
         default = "required" if field.is_required() else f"default {field.get_default(call_default_factory=True)!r}"
-        rows.append((f"--{key}", f"{type_name}, {default}", " ".join((field.description or "").split())))
+        rows.append(
+            (f"--{key}", f"{type_label(field.annotation)}, {default}", " ".join((field.description or "").split()))
+        )
     return rows
+
+
+def help_rows(cls: type[BaseModel], skip: tuple[str, ...] = ()) -> list[tuple[str, str, str]]:
+    """`describe_fields` without the options in `skip` (each an option, or a table whose options all go)."""
+    return [row for row in describe_fields(cls) if not any(row[0] == s or row[0].startswith(f"{s}.") for s in skip)]
+
+
+def type_label(annotation: Any) -> str:
+    """A field's type for `--help`: Literal values spelled out (`one of {'a', 'b'}`), unions and generics readable."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return "one of {" + ", ".join(repr(value) for value in typing.get_args(annotation)) + "}"
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_label(arg) for arg in typing.get_args(annotation))
+    if origin is not None:
+        args = ", ".join("..." if arg is Ellipsis else type_label(arg) for arg in typing.get_args(annotation))
+        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
+    if annotation is type(None):
+        return "None"
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
