@@ -31,3 +31,18 @@ def tiny_model_dir(request: pytest.FixtureRequest, tiny_model_factory: Callable[
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tiny_model_factory: Callable[[str], Path]) -> Path:
     return tiny_model_factory("qwen3")
+
+
+@pytest.fixture
+def require_isolation() -> None:
+    """Security tests never skip: without sandbox isolation they fail, saying why and how to get it."""
+    from slipstream.sandbox import detect_isolation
+
+    isolation = detect_isolation()
+    if not isolation.available:
+        pytest.fail(
+            f"sandbox isolation is unavailable ({isolation.reason}): install bubblewrap (`apt-get install "
+            "bubblewrap`, which `make setup` does as root) and allow unprivileged user namespaces "
+            "(sysctl kernel.unprivileged_userns_clone=1); the sandbox tests do not skip",
+            pytrace=False,
+        )

@@ -1,7 +1,7 @@
 """Sandbox isolation: no network, one writable directory, nothing inherited; refusal where isolation is impossible.
 
-Isolation tests need bubblewrap and are skipped with the probe's reason where the machine cannot isolate; the
-refusal and opt-out tests run everywhere.
+Isolation tests need bubblewrap and FAIL (never skip) with the probe's reason and the fix where the machine cannot
+isolate; the refusal and opt-out tests run everywhere.
 """
 
 import asyncio
@@ -18,7 +18,7 @@ from slipstream.sandbox import Isolation, Sandbox, SandboxLimits, SandboxUnavail
 from slipstream.sandbox import sandbox as sandbox_module
 
 ISOLATION = detect_isolation()
-needs_isolation = pytest.mark.skipif(not ISOLATION.available, reason=f"no sandbox isolation: {ISOLATION.reason}")
+needs_isolation = pytest.mark.usefixtures("require_isolation")  # fails, never skips, without isolation
 
 
 @pytest.fixture
@@ -181,3 +181,21 @@ def test_detection_explains_why_isolation_is_impossible(tmp_path, monkeypatch):
     assert "bubblewrap 0.6.1" in found.reason and "No permissions to create new namespace" in found.reason
     monkeypatch.setattr(isolation.shutil, "which", lambda name: None)
     assert "Debian package: bubblewrap" in isolation.detect_isolation.__wrapped__().reason
+
+
+def test_security_tests_fail_rather_than_skip_without_isolation(tmp_path):
+    """Where bwrap is missing, a test needing isolation fails and says how to install it."""
+    import subprocess
+    import sys
+
+    test = Path(tmp_path) / "test_needs.py"
+    test.write_text("import pytest\n\n@pytest.mark.usefixtures('require_isolation')\ndef test_x():\n    pass\n")
+    conftest = Path(__file__).resolve().parents[1] / "conftest.py"
+    (Path(tmp_path) / "conftest.py").write_text(conftest.read_text())
+    env = {**os.environ, "PATH": "/nonexistent"}  # no bwrap on PATH
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", str(test)],
+        capture_output=True, text=True, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout
+    assert "1 error" in done.stdout and "apt-get install bubblewrap" in done.stdout and "skipped" not in done.stdout

@@ -1,6 +1,6 @@
 """Sandbox limits: wall time, CPU time, memory, output size, file size and process count are each enforced.
 
-Needs working isolation (bubblewrap); skipped with the probe's reason where the machine cannot isolate.
+Needs working isolation (bubblewrap); fails with the probe's reason and the fix where the machine cannot isolate.
 """
 
 import asyncio
@@ -15,7 +15,7 @@ import pytest
 from slipstream.sandbox import Sandbox, SandboxLimits, detect_isolation
 
 ISOLATION = detect_isolation()
-needs_isolation = pytest.mark.skipif(not ISOLATION.available, reason=f"no sandbox isolation: {ISOLATION.reason}")
+needs_isolation = pytest.mark.usefixtures("require_isolation")  # fails, never skips, without isolation
 
 
 @pytest.fixture
