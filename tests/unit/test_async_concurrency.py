@@ -24,6 +24,8 @@ def test_server_load_sums_engines_and_ignores_lookalike_series():
     assert parse_server_load(sim, "m") == ServerLoad(num_waiting=0.0, num_preemptions=None)
     with pytest.raises(InferenceError, match="mode = 'fixed'"):
         parse_server_load("vllm:num_requests_running 1.0\n", "http://x/metrics")
+    with pytest.raises(InferenceError, match="not a Prometheus text exposition"):
+        parse_server_load("vllm:num_requests_waiting{engine=0 oops\n", "http://x/metrics")
 
 
 def idle(waiting: float = 0.0, preemptions: float | None = 0.0) -> ServerLoad:

@@ -1,15 +1,15 @@
 """In-flight concurrency: a fixed cap, or additive-increase / multiplicative-decrease driven by vLLM's /metrics
 (queueing: `vllm:num_requests_waiting`; preemption: `vllm:num_preemptions_total`)."""
 
-import re
 from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from slipstream.config.orchestrator import ConcurrencyConfig
 from slipstream.orchestrator.client import InferenceError
 
 WAITING = "vllm:num_requests_waiting"
 PREEMPTIONS = "vllm:num_preemptions_total"
-_SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", re.M)
 
 
 @dataclass(frozen=True)
@@ -22,11 +22,16 @@ class ServerLoad:
 
 
 def parse_server_load(text: str, where: str) -> ServerLoad:
-    """Sum the waiting gauge and the preemption counter over all label sets of a Prometheus text exposition."""
+    """Sum the waiting gauge and the preemption counter over all label sets of a Prometheus text exposition
+    (parsed by prometheus_client's own parser)."""
     sums: dict[str, float] = {}
-    for name, _labels, value in _SAMPLE_RE.findall(text):
-        if name in (WAITING, PREEMPTIONS):
-            sums[name] = sums.get(name, 0.0) + float(value)
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in (WAITING, PREEMPTIONS):
+                    sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
+    except ValueError as e:
+        raise InferenceError(f"{where} returned metrics that are not a Prometheus text exposition: {e}") from e
     if WAITING not in sums:
         raise InferenceError(
             f"{where} has no {WAITING} gauge, so adaptive concurrency cannot see queueing; is it a vLLM server? "
