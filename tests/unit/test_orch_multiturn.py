@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
@@ -24,6 +25,7 @@ from slipstream.inference.sim import SimConfig, SimServer, serve_in_thread, sim_
 from slipstream.orchestrator.batching import build_training_batches
 from slipstream.orchestrator.loop import assign_advantages
 from slipstream.orchestrator.rollouts import Rollout
+from slipstream.trainer.data import expand_trees
 from slipstream.transport.rollouts import batch_path, read_batch
 from tests.unit.test_async_pipeline import MODEL as SIM_MODEL
 from tests.unit.test_async_pipeline import config_for
@@ -164,10 +166,14 @@ def run_env(tmp_path, monkeypatch, env, server, **overrides):
 
 
 def split_samples(mb) -> list[dict[str, list]]:
-    """The samples packed in a micro-batch (positions restart at 0 for each)."""
-    starts = [i for i, p in enumerate(mb.position_ids) if p == 0] + [len(mb.input_ids)]
+    """The samples packed in a micro-batch (positions restart at 0 for each; prefix trees of samples sharing their
+    prompt written out as their samples)."""
+    source = expand_trees(torch.tensor(mb.position_ids))[0].tolist()
+    starts = [e for e, t in enumerate(source) if mb.position_ids[t] == 0] + [len(source)]
     fields = ("input_ids", "loss_mask", "advantages", "inference_logprobs", "temperatures")
-    return [{f: getattr(mb, f)[a:b] for f in fields} for a, b in zip(starts, starts[1:], strict=False)]
+    return [
+        {f: [getattr(mb, f)[t] for t in source[a:b]] for f in fields} for a, b in zip(starts, starts[1:], strict=False)
+    ]
 
 
 def runs(sample: dict, loss: bool) -> list[str]:

@@ -268,6 +268,17 @@ class OrchestratorConfig(BaseConfig):
     micro_batch_tokens: int = Field(8192, ge=16)
     """Token budget of one packed training micro-batch."""
 
+    shared_prefix: bool = True
+    """Train the samples of a rollout group that begin with the same prompt as one prefix tree: the prompt once,
+    each completion attending to it (models/common/prefix_tree.py). Exact: only tokens without loss in every sample
+    are shared, so loss and gradients are those of the samples one by one, with fewer tokens to compute. False:
+    every sample packed with its own copy of the prompt. A CUDA trainer writes trees back out as their samples
+    (exact, no speedup) until a fused kernel for tree masks (flex_attention) lands; the CPU trainer and context
+    parallelism run them as trees."""
+
+    shared_prefix_min_tokens: int = Field(2, ge=1)
+    """Shortest prompt prefix worth sharing (shared_prefix)."""
+
     num_trainer_ranks: int = Field(1, ge=1)
     """Number of trainer ranks; each gets its own list of micro-batches."""
 

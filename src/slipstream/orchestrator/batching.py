@@ -1,9 +1,18 @@
-"""Batching: rollouts -> token-aligned samples -> packed micro-batches -> one TrainingBatch per trainer rank.
+"""Batching: rollouts -> token-aligned samples -> prefix trees -> packed micro-batches -> one TrainingBatch per rank.
 
-Packing is first-fit decreasing under a token budget; micro-batches are spread over ranks balancing tokens,
-with equal micro-batch counts per rank whenever the samples allow it (FSDP ranks step in lockstep).
+Shared prefix (orchestrator.shared_prefix): the samples of one rollout group (single-turn rollouts, and the samples of
+multi-turn rollouts) that begin with the same prompt become one prefix tree (models/common/prefix_tree.py): the
+prompt once, then each sample's remaining tokens, whose positions continue the prompt's. Only tokens that carry no
+loss in any sample are shared, so every loss token is trained exactly once, as one by one; the trainer computes
+the same loss and gradients with the prompt's tokens computed once. A tree's shared tokens keep the first sample's
+per-token values (no loss; router replay rows are shared only where every sample's rows are equal).
+
+Packing is first-fit decreasing under a token budget (a tree counts its tokens: the prefix once); micro-batches are
+spread over ranks balancing tokens, with equal micro-batch counts per rank whenever the samples allow it (FSDP ranks
+step in lockstep); a tree is split in two where ranks need more micro-batches.
 """
 
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from slipstream.orchestrator.rollouts import Rollout
-from slipstream.orchestrator.routing import align_routing, pack_routing
+from slipstream.orchestrator.routing import align_routing, no_route, pack_routing
 from slipstream.transport.rollouts import MicroBatch, TrainingBatch, write_batch
 
 
@@ -78,9 +87,86 @@ def build_samples(rollout: Rollout, temperature: float) -> list[Sample]:
     return samples
 
 
-def pack_samples(samples: Sequence[Sample], micro_batch_tokens: int) -> list[list[Sample]]:
-    """First-fit decreasing into bins of at most `micro_batch_tokens`; a longer sample gets a bin of its own."""
-    bins: list[list[Sample]] = []
+@dataclass(frozen=True)
+class Tree:
+    """Samples trained as one prefix tree: their first `prefix_len` tokens are equal and carry no loss in any of
+    them; the micro-batch holds them once (the first sample's), then every sample's remaining tokens."""
+
+    samples: list[Sample]
+    prefix_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefix_len + sum(s.num_tokens - self.prefix_len for s in self.samples)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(s.num_loss_tokens for s in self.samples)
+
+
+Unit = Sample | Tree
+"""What packing places: a sample, or a tree of samples."""
+
+
+def _num_samples(unit: Unit) -> int:
+    return len(unit.samples) if isinstance(unit, Tree) else 1
+
+
+def _routing_rows(sample: Sample, n: int) -> np.ndarray | None:
+    """The first n rows of a sample's routing as int64, -1 where not routed; None: no routing."""
+    if sample.routed_experts is None:
+        return None
+    rows = sample.routed_experts[:n].astype(np.int64)
+    rows[sample.routed_experts[:n] == no_route(sample.routed_experts.dtype)] = -1
+    return rows
+
+
+def shared_prefix_len(samples: Sequence[Sample]) -> int:
+    """Longest prefix that all `samples` may share: equal token ids, no loss token in any sample, equal router
+    replay rows (a sample without routing counts as not routed); at least one token of each sample is left."""
+    n = min(s.num_tokens for s in samples) - 1
+    if n <= 0:
+        return 0
+    ids_SN = np.array([s.input_ids[:n] for s in samples])
+    shareable_N = (ids_SN == ids_SN[0]).all(0) & ~np.array([s.loss_mask[:n] for s in samples]).any(0)
+    if any(s.routed_experts is not None for s in samples):
+        known = next(r for s in samples if (r := _routing_rows(s, n)) is not None)
+        rows = [_routing_rows(s, n) for s in samples]
+        rows_SNLK = np.stack([np.full_like(known, -1) if r is None else r for r in rows])
+        shareable_N &= (rows_SNLK == rows_SNLK[0]).all(axis=(0, 2, 3))
+    return n if shareable_N.all() else int(np.argmin(shareable_N))
+
+
+def build_trees(groups: Sequence[Sequence[Sample]], micro_batch_tokens: int, min_prefix_tokens: int) -> list[Unit]:
+    """Each group's samples that share a prefix of at least `min_prefix_tokens` (shared_prefix_len) as trees of at
+    most `micro_batch_tokens` tokens (a group too large for one is split into several); the rest as samples."""
+    units: list[Unit] = []
+    for group in groups:
+        buckets: dict[tuple[int, ...], list[Sample]] = defaultdict(list)
+        for sample in group:
+            head = sample.input_ids[:min_prefix_tokens]
+            if sample.num_tokens > min_prefix_tokens and not any(sample.loss_mask[:min_prefix_tokens]):
+                buckets[tuple(head)].append(sample)
+            else:
+                units.append(sample)
+        for bucket in buckets.values():
+            prefix_len = shared_prefix_len(bucket) if len(bucket) > 1 else 0
+            if prefix_len < min_prefix_tokens:
+                units += bucket
+                continue
+            trees: list[list[Sample]] = [[]]
+            for sample in sorted(bucket, key=lambda s: s.num_tokens, reverse=True):
+                if trees[-1] and Tree([*trees[-1], sample], prefix_len).num_tokens > micro_batch_tokens:
+                    trees.append([])
+                trees[-1].append(sample)
+            units += [Tree(t, prefix_len) if len(t) > 1 else t[0] for t in trees]
+    return units
+
+
+def pack_samples(samples: Sequence[Unit], micro_batch_tokens: int) -> list[list[Unit]]:
+    """First-fit decreasing into bins of at most `micro_batch_tokens`; a longer sample (or tree) gets a bin of its
+    own."""
+    bins: list[list[Unit]] = []
     loads: list[int] = []
     for sample in sorted(samples, key=lambda s: s.num_tokens, reverse=True):
         for i, load in enumerate(loads):
@@ -94,27 +180,39 @@ def pack_samples(samples: Sequence[Sample], micro_batch_tokens: int) -> list[lis
     return bins
 
 
-def _tokens(group: Sequence[Sample]) -> int:
+def _tokens(group: Sequence[Unit]) -> int:
     return sum(s.num_tokens for s in group)
 
 
-def _split_largest(bins: list[list[Sample]]) -> bool:
-    """Split the largest multi-sample bin into two token-balanced halves; False when every bin holds one sample."""
-    splittable = [i for i, b in enumerate(bins) if len(b) > 1]
+def _split_tree(tree: Tree) -> list[list[Unit]]:
+    """A tree as two token-balanced trees (a tree of one sample is that sample)."""
+    halves: list[list[Sample]] = [[], []]
+    for sample in sorted(tree.samples, key=lambda s: s.num_tokens, reverse=True):
+        halves[0 if _tokens(halves[0]) <= _tokens(halves[1]) else 1].append(sample)
+    return [[Tree(h, tree.prefix_len) if len(h) > 1 else h[0]] for h in halves]
+
+
+def _split_largest(bins: list[list[Unit]]) -> bool:
+    """Split the largest bin of several samples into two token-balanced halves (a bin holding one tree: the tree);
+    False when every bin holds one sample."""
+    splittable = [i for i, b in enumerate(bins) if sum(_num_samples(u) for u in b) > 1]
     if not splittable:
         return False
     i = max(splittable, key=lambda j: _tokens(bins[j]))
-    halves: list[list[Sample]] = [[], []]
+    if len(bins[i]) == 1:
+        bins[i : i + 1] = _split_tree(bins[i][0])
+        return True
+    halves: list[list[Unit]] = [[], []]
     for sample in sorted(bins[i], key=lambda s: s.num_tokens, reverse=True):
         halves[0 if _tokens(halves[0]) <= _tokens(halves[1]) else 1].append(sample)
     bins[i : i + 1] = halves
     return True
 
 
-def distribute(bins: list[list[Sample]], num_ranks: int) -> list[list[list[Sample]]]:
+def distribute(bins: list[list[Unit]], num_ranks: int) -> list[list[list[Unit]]]:
     """Assign micro-batches to ranks: every rank gets at least one, counts equal where possible, tokens balanced."""
     bins = [list(b) for b in bins]
-    num_samples = sum(len(b) for b in bins)
+    num_samples = sum(_num_samples(u) for b in bins for u in b)
     if num_samples < num_ranks:
         raise ValueError(
             f"{num_samples} samples cannot give each of {num_ranks} trainer ranks a micro-batch; "
@@ -124,7 +222,7 @@ def distribute(bins: list[list[Sample]], num_ranks: int) -> list[list[list[Sampl
     while len(bins) < target and _split_largest(bins):
         pass
     per_rank = -(-len(bins) // num_ranks)
-    ranks: list[list[list[Sample]]] = [[] for _ in range(num_ranks)]
+    ranks: list[list[list[Unit]]] = [[] for _ in range(num_ranks)]
     loads = [0] * num_ranks
     for b in sorted(bins, key=_tokens, reverse=True):
         # Fill empty ranks first, then the lightest rank that still has room under the per-rank count.
@@ -135,17 +233,28 @@ def distribute(bins: list[list[Sample]], num_ranks: int) -> list[list[list[Sampl
     return ranks
 
 
-def to_micro_batch(samples: Sequence[Sample]) -> MicroBatch:
-    """Concatenate samples; positions restart at 0 for each sample."""
+def _parts(unit: Unit) -> list[tuple[Sample, int]]:
+    """(sample, first token it contributes) of a unit: a tree's further samples start after the shared prefix."""
+    if isinstance(unit, Sample):
+        return [(unit, 0)]
+    return [(s, unit.prefix_len if i else 0) for i, s in enumerate(unit.samples)]
+
+
+def to_micro_batch(units: Sequence[Unit]) -> MicroBatch:
+    """Concatenate samples and trees; positions restart at 0 for each sample and tree, and continue the shared
+    prefix's positions in each further sample of a tree."""
     input_ids, position_ids, loss_mask, advantages, logprobs, temperatures = [], [], [], [], [], []
-    for s in samples:
-        input_ids += s.input_ids
-        position_ids += list(range(s.num_tokens))
-        loss_mask += s.loss_mask
-        advantages += s.advantages
-        logprobs += s.inference_logprobs
-        temperatures += s.temperatures
-    routing = pack_routing([s.routed_experts for s in samples], [s.num_tokens for s in samples])
+    routings, lengths = [], []
+    for s, start in [part for unit in units for part in _parts(unit)]:
+        input_ids += s.input_ids[start:]
+        position_ids += list(range(start, s.num_tokens))
+        loss_mask += s.loss_mask[start:]
+        advantages += s.advantages[start:]
+        logprobs += s.inference_logprobs[start:]
+        temperatures += s.temperatures[start:]
+        routings.append(None if s.routed_experts is None else s.routed_experts[start:])
+        lengths.append(s.num_tokens - start)
+    routing = pack_routing(routings, lengths)
     return MicroBatch(input_ids, position_ids, loss_mask, advantages, logprobs, temperatures, routing)
 
 
@@ -156,15 +265,25 @@ def build_training_batches(
     micro_batch_tokens: int,
     num_ranks: int,
     metrics: dict[str, float],
+    shared_prefix: bool = True,
+    shared_prefix_min_tokens: int = 2,
 ) -> list[TrainingBatch]:
-    """One TrainingBatch per rank; `num_loss_tokens` counts the loss tokens of the whole step."""
-    samples = [sample for r in rollouts for sample in build_samples(r, temperature)]
+    """One TrainingBatch per rank; `num_loss_tokens` counts the loss tokens of the whole step. With `shared_prefix`
+    the samples of each group (`Rollout.group_index`) that share a prompt of at least `shared_prefix_min_tokens`
+    tokens are packed as prefix trees (build_trees)."""
+    groups: dict[int, list[Sample]] = defaultdict(list)
+    for r in rollouts:
+        groups[r.group_index] += build_samples(r, temperature)
+    samples = [sample for group in groups.values() for sample in group]
     if not samples:
         raise ValueError(
             f"step {step}: no tokens to train on; every rollout ended before its first model turn "
             "(does the task prompt exceed inference.max_model_len?)"
         )
-    per_rank = distribute(pack_samples(samples, micro_batch_tokens), num_ranks)
+    units: Sequence[Unit] = samples
+    if shared_prefix:
+        units = build_trees(list(groups.values()), micro_batch_tokens, shared_prefix_min_tokens)
+    per_rank = distribute(pack_samples(units, micro_batch_tokens), num_ranks)
     num_loss_tokens = sum(s.num_loss_tokens for s in samples)
     return [
         TrainingBatch(

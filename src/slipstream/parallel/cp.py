@@ -12,8 +12,9 @@ shrink with cp, only everything else does. It serves rows whose full K/V and [T 
 longer rows need ring attention.
 
 Rows are padded to a multiple of cp with one extra sample (positions from 0, never a loss token) that no real token
-attends to. A target token t is predicted from the hidden state of token t - 1, so it belongs to the rank holding
-t - 1: each rank computes log-probs of its own targets, and a differentiable sum over the cp group gives every rank
+attends to. A target token t is predicted from the hidden state of token t - 1 (of the shared prefix's last token
+for a branch's first token in a prefix tree, models/common/prefix_tree.py), so it belongs to the rank holding that
+token: each rank computes log-probs of its own targets, and a differentiable sum over the cp group gives every rank
 the whole row's log-probs (so masks over whole samples stay exact); each rank's loss then adds only its own targets.
 
 Legend: B = rows, T = tokens per row (padded), t = tokens of one shard (T / cp).
@@ -69,10 +70,16 @@ def shard_size(num_tokens: int, num_ranks: int) -> int:
     return -(-num_tokens // num_ranks)
 
 
-def owned_tokens(num_tokens: int, rank: int, num_ranks: int, device: torch.device) -> Tensor:
-    """owned_T: tokens whose loss and counts `rank` adds up. Token t >= 1 belongs to the rank holding t - 1 (its
-    hidden state predicts t); token 0 (never predicted) to the first rank. Each token has exactly one owner."""
-    holder_T = (torch.arange(num_tokens, device=device) - 1).clamp(min=0) // shard_size(num_tokens, num_ranks)
+def owned_tokens(
+    num_tokens: int, rank: int, num_ranks: int, device: torch.device, parent_T: Tensor | None = None
+) -> Tensor:
+    """owned_T: tokens whose loss and counts `rank` adds up. Token t belongs to the rank holding its parent, the
+    token whose hidden state predicts t: t - 1, or with `parent_T` (prefix trees, models/common/prefix_tree.py)
+    parent_T[t]; a token nothing predicts (parent -1) to the rank holding t - 1, token 0 to the first rank. Each
+    token has exactly one owner."""
+    t_T = torch.arange(num_tokens, device=device)
+    predictor_T = t_T - 1 if parent_T is None else torch.where(parent_T >= 0, parent_T, t_T - 1)
+    holder_T = predictor_T.clamp(min=0) // shard_size(num_tokens, num_ranks)
     return holder_T == rank
 
 
@@ -118,8 +125,8 @@ class ContextParallel:
         pad = x_T.new_full((size * self.num_ranks - num_tokens, *x_T.shape[1:]), pad_value)
         return torch.cat([x_T, pad])[self.rank * size : (self.rank + 1) * size]
 
-    def owned_tokens(self, num_tokens: int, device: torch.device) -> Tensor:
-        return owned_tokens(num_tokens, self.rank, self.num_ranks, device)
+    def owned_tokens(self, num_tokens: int, device: torch.device, parent_T: Tensor | None = None) -> Tensor:
+        return owned_tokens(num_tokens, self.rank, self.num_ranks, device, parent_T)
 
     def gather_tokens(self, x_Bt: Tensor) -> Tensor:
         """x_BT: the shards of every cp rank concatenated along dim 1 (differentiable)."""

@@ -1,6 +1,7 @@
 """Micro-batch tensors and the packed <-> padded layout used to run packed samples through plain transformers.
 
-Legend: T = tokens of a packed micro-batch, B = samples (one per padded row), L = longest sample, D = hidden.
+Legend: T = tokens of a packed micro-batch, B = trees (one per padded row; a plain sample is a tree without
+branches), L = longest tree, D = hidden, E = tokens with every tree written out as its samples.
 """
 
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from slipstream.models.common.prefix_tree import tree_ids
 from slipstream.transport.rollouts import MicroBatch, Routing, TrainingBatch
 
 
@@ -36,13 +38,20 @@ class PackedMicroBatch:
 
 @dataclass(frozen=True)
 class PaddedLayout:
-    """Where each packed token sits in the padded rows: token t is at [row_T[t], col_T[t]]."""
+    """Where each packed token sits in padded rows, one row per tree (a plain sample is a tree without branches;
+    models/common/prefix_tree.py): token t is at [row_T[t], col_T[t]]."""
 
     row_T: Tensor
     col_T: Tensor
     is_start_T: Tensor
+    """A tree's first token: nothing predicts it."""
+    parent_T: Tensor
+    """The token whose hidden state predicts token t (t - 1, or the shared prefix's last token for a branch's first
+    token; -1 at tree starts)."""
     num_rows: int
     max_len: int
+    num_branches: int
+    """Branches of all trees (0: independent samples only)."""
 
 
 def to_packed(mb: MicroBatch, device: torch.device) -> PackedMicroBatch:
@@ -61,6 +70,11 @@ def to_packed(mb: MicroBatch, device: torch.device) -> PackedMicroBatch:
     layout = build_padded_layout(packed.position_ids_T)
     if (packed.loss_mask_T & layout.is_start_T).any():
         raise MicroBatchError("a sample's first token has loss_mask=True, but nothing precedes it to predict it")
+    if layout.num_branches and (packed.loss_mask_T & shared_prefix_mask(packed.position_ids_T)).any():
+        raise MicroBatchError(
+            "a shared prefix of a prefix tree has loss_mask=True: a prefix is shared only where no sample has loss "
+            "(its loss would be counted once instead of once per sample)"
+        )
     if (packed.temperatures_T <= 0).any():
         raise MicroBatchError(
             "temperatures must be > 0 (log-probs at temperature 0 are undefined); use 1.0 for prompts"
@@ -82,22 +96,81 @@ def routing_tensor(routing: Routing, num_tokens: int, device: torch.device) -> T
 
 
 def build_padded_layout(position_ids_T: Tensor) -> PaddedLayout:
-    """One row per sample; a sample starts where position_ids restart at 0 and counts up by 1 from there."""
-    is_start_T = position_ids_T == 0
-    if not bool(is_start_T[0]):
+    """One row per tree; validate the positions. A tree starts where position_ids restart at 0 and its root counts
+    0, 1, 2, ...; a branch continues the first p tokens of its tree's root, for 1 <= p <= the root's length, and
+    counts p, p + 1, ... (models/common/prefix_tree.py). One host sync."""
+    if int(position_ids_T[0]) != 0:
         raise MicroBatchError(f"position_ids must start at 0 (got {int(position_ids_T[0])})")
+    ids = tree_ids(position_ids_T[None])
+    tree_start_T, segment_start_T, fork_T = ids.tree_start_BT[0], ids.segment_start_BT[0], ids.fork_BT[0]
+    t_T = torch.arange(position_ids_T.numel(), device=position_ids_T.device)
+    is_start_T = tree_start_T == t_T
     row_T = torch.cumsum(is_start_T.long(), dim=0) - 1
-    starts_B = torch.nonzero(is_start_T).squeeze(-1)
-    col_T = torch.arange(position_ids_T.numel(), device=position_ids_T.device) - starts_B[row_T]
-    if not torch.equal(col_T, position_ids_T):
-        raise MicroBatchError("position_ids must count 0, 1, 2, ... inside each sample and restart at 0 per sample")
+    col_T = t_T - tree_start_T
+    # A root's length is one more than the largest position among its tokens.
+    root_len_T = torch.zeros_like(t_T).scatter_reduce(
+        0, row_T, torch.where(ids.is_root_BT[0], position_ids_T + 1, 0), "amax"
+    )[row_T]
+    is_branch_start_T = (segment_start_T == t_T) & ~is_start_T
+    bad_T = is_branch_start_T & ((fork_T < 1) | (fork_T > root_len_T))
+    num_rows, max_len, num_branches, num_bad = torch.stack(
+        [row_T[-1] + 1, col_T.max() + 1, is_branch_start_T.sum(), bad_T.sum()]
+    ).tolist()
+    if num_bad:
+        t = int(torch.nonzero(bad_T)[0])
+        raise MicroBatchError(
+            f"position_ids must count 0, 1, 2, ... inside each sample and restart at 0 per sample, or continue a "
+            f"shared prefix of the tree's first sample (prefix_tree.py); token {t} is at position "
+            f"{int(position_ids_T[t])} after {int(position_ids_T[t - 1])}, but its tree's first sample has only "
+            f"{int(root_len_T[t])} tokens"
+        )
+    parent_T = torch.where(is_branch_start_T, tree_start_T + fork_T - 1, t_T - 1)
     return PaddedLayout(
         row_T=row_T,
         col_T=col_T,
         is_start_T=is_start_T,
-        num_rows=starts_B.numel(),
-        max_len=int(col_T.max()) + 1,
+        parent_T=torch.where(is_start_T, -1, parent_T),
+        num_rows=num_rows,
+        max_len=max_len,
+        num_branches=num_branches,
     )
+
+
+def shared_prefix_mask(position_ids_T: Tensor) -> Tensor:
+    """shared_T: root tokens that some branch of their tree continues (the deduplicated prefixes)."""
+    ids = tree_ids(position_ids_T[None])
+    t_T = torch.arange(position_ids_T.numel(), device=position_ids_T.device)
+    tree_T = torch.cumsum((ids.tree_start_BT[0] == t_T).long(), dim=0) - 1
+    longest_fork_T = torch.zeros_like(tree_T).scatter_reduce(0, tree_T, ids.fork_BT[0], "amax")[tree_T]
+    return ids.is_root_BT[0] & (position_ids_T < longest_fork_T)
+
+
+def padded_position_ids(position_ids_T: Tensor, layout: PaddedLayout) -> Tensor:
+    """position_ids_BL of the padded rows: each tree's positions, pads continuing the position of its last token
+    (pads sit at the end of a row and only attend backwards: no real token ever sees one)."""
+    lengths_B = torch.bincount(layout.row_T, minlength=layout.num_rows)
+    last_B = position_ids_T[torch.cumsum(lengths_B, dim=0) - 1]
+    col_L = torch.arange(layout.max_len, device=position_ids_T.device)
+    pads_BL = last_B[:, None] + 1 + col_L[None, :] - lengths_B[:, None]
+    return torch.where(col_L[None, :] < lengths_B[:, None], unpack(position_ids_T, layout, pad_value=0), pads_BL)
+
+
+def expand_trees(position_ids_T: Tensor) -> tuple[Tensor, Tensor]:
+    """(source_E, own_T): the micro-batch with every tree written out as its samples one after another (a branch
+    preceded by a copy of the prefix it continues): expanded token e is packed token source_E[e], and packed token
+    t's own (not copied) occurrence is expanded token own_T[t]. For models that take no prefix-tree mask."""
+    ids = tree_ids(position_ids_T[None])
+    t_T = torch.arange(position_ids_T.numel(), device=position_ids_T.device)
+    starts = torch.nonzero(ids.segment_start_BT[0] == t_T).squeeze(-1).tolist()
+    tree_starts = ids.tree_start_BT[0][starts].tolist()
+    forks = ids.fork_BT[0][starts].tolist()
+    ends = [*starts[1:], position_ids_T.numel()]
+    source, own = [], []
+    for start, end, tree_start, fork in zip(starts, ends, tree_starts, forks, strict=True):
+        source += range(tree_start, tree_start + fork)
+        own += range(len(source), len(source) + end - start)
+        source += range(start, end)
+    return torch.tensor(source, device=position_ids_T.device), torch.tensor(own, device=position_ids_T.device)
 
 
 def unpack(values_T: Tensor, layout: PaddedLayout, pad_value: float | int) -> Tensor:

@@ -11,9 +11,18 @@ import torch
 from torch import Tensor, nn
 
 from slipstream.models.common.attention import ContextShard
+from slipstream.models.common.prefix_tree import parent_index
 from slipstream.models.common.transformer import DecoderLM
 from slipstream.parallel.cp import ContextParallel
-from slipstream.trainer.data import PackedMicroBatch, PaddedLayout, build_padded_layout, pack, unpack
+from slipstream.trainer.data import (
+    PackedMicroBatch,
+    PaddedLayout,
+    build_padded_layout,
+    expand_trees,
+    pack,
+    padded_position_ids,
+    unpack,
+)
 from slipstream.trainer.lm_head import lm_head_logprobs
 from slipstream.trainer.row_layout import use_padded_rows
 
@@ -57,7 +66,8 @@ def packed_logprobs(
 ) -> tuple[Tensor, Tensor]:
     """`compute_logprobs` on the micro-batch's tensors. Packed samples never attend to each other: our models
     separate them by position_ids (one row, no padding) or run one padded row per sample where that is cheaper
-    (row_layout.py); transformers models get right-padded rows and a mask.
+    (row_layout.py); transformers models get right-padded rows and a mask. Prefix trees (samples sharing a prompt
+    computed once, models/common/prefix_tree.py) give every sample the log-probs it has alone.
 
     With `target_mask_T` (the loss mask) the LM head runs only for those tokens: log-prob and entropy are 0
     elsewhere (prompt tokens' log-probs are never used by the loss, and the head is a quarter of the step's FLOPs).
@@ -68,7 +78,8 @@ def packed_logprobs(
     layout = build_padded_layout(position_ids_T)
     if replay_TRA is not None:
         check_replay(model, replay_TRA, input_ids_T.numel())
-    # Token t (not a sample start) is predicted from the hidden state of token t - 1 of the same sample.
+    # Token t (not a sample start) is predicted from the hidden state of token t - 1 of the same sample, or, for a
+    # branch's first token, of the last token of the shared prefix it continues (layout.parent_T).
     is_target_T = ~layout.is_start_T if target_mask_T is None else target_mask_T & ~layout.is_start_T
     if context_parallel is not None:
         return _context_parallel_logprobs(
@@ -79,19 +90,32 @@ def packed_logprobs(
         head_weight_VD, head_bias_V = model.lm_head_weight, None
     else:
         check_plain_lm_head(model)
-        input_ids_BL = unpack(input_ids_T, layout, pad_value=0)
-        position_ids_BL = unpack(position_ids_T, layout, pad_value=0)
-        attention_mask_BL = unpack(torch.ones_like(input_ids_T), layout, pad_value=0)
-        out = model.base_model(
-            input_ids=input_ids_BL, attention_mask=attention_mask_BL, position_ids=position_ids_BL, use_cache=False
-        )
-        hidden_TD = pack(out.last_hidden_state, layout)
+        hidden_TD = hf_hidden(model, input_ids_T, position_ids_T, layout)
         lm_head = model.get_output_embeddings()
         head_weight_VD, head_bias_V = lm_head.weight, lm_head.bias
     target_N = torch.nonzero(is_target_T).squeeze(-1)
+    hidden_ND = hidden_TD[layout.parent_T[target_N]]
     return _scatter_head_logprobs(
-        head_weight_VD, head_bias_V, hidden_TD[target_N - 1], input_ids_T, temperatures_T, target_N, chunk_size
+        head_weight_VD, head_bias_V, hidden_ND, input_ids_T, temperatures_T, target_N, chunk_size
     )
+
+
+def hf_hidden(model: nn.Module, input_ids_T: Tensor, position_ids_T: Tensor, layout: PaddedLayout) -> Tensor:
+    """hidden_TD of a transformers model: one right-padded row per sample under its attention mask. Prefix trees
+    (which its attention cannot express) are written out as their samples first (`expand_trees`): exact, with the
+    prefix computed once per sample."""
+    if layout.num_branches:
+        source_E, own_T = expand_trees(position_ids_T)
+        return hf_hidden(
+            model, input_ids_T[source_E], position_ids_T[source_E], build_padded_layout(position_ids_T[source_E])
+        )[own_T]
+    input_ids_BL = unpack(input_ids_T, layout, pad_value=0)
+    position_ids_BL = unpack(position_ids_T, layout, pad_value=0)
+    attention_mask_BL = unpack(torch.ones_like(input_ids_T), layout, pad_value=0)
+    out = model.base_model(
+        input_ids=input_ids_BL, attention_mask=attention_mask_BL, position_ids=position_ids_BL, use_cache=False
+    )
+    return pack(out.last_hidden_state, layout)
 
 
 def _context_parallel_logprobs(
@@ -113,12 +137,13 @@ def _context_parallel_logprobs(
     hidden_tD = model.forward_hidden(
         shard.input_ids_t[None], shard.position_ids_t[None], context, None if replay_tRA is None else replay_tRA[None]
     )[0]
-    owned_T = cp.owned_tokens(input_ids_T.numel(), input_ids_T.device)
+    parent_T = parent_index(position_ids_T)
+    owned_T = cp.owned_tokens(input_ids_T.numel(), input_ids_T.device, parent_T)
     target_N = torch.nonzero(is_target_T & owned_T).squeeze(-1)
     logprobs_T, entropy_T = _scatter_head_logprobs(
         model.lm_head_weight,
         None,
-        hidden_tD[target_N - 1 - shard.offset],
+        hidden_tD[parent_T[target_N] - shard.offset],
         input_ids_T,
         temperatures_T,
         target_N,
@@ -144,6 +169,10 @@ def _scatter_head_logprobs(
     return zeros_T.index_copy(0, target_N, logprobs_N), zeros_T.index_copy(0, target_N, entropy_N)
 
 
+EXPAND_TREES_ON = ("cuda",)
+"""Devices where our models run prefix trees as their samples (see custom_hidden)."""
+
+
 def custom_hidden(
     model: DecoderLM,
     input_ids_T: Tensor,
@@ -151,8 +180,15 @@ def custom_hidden(
     layout: PaddedLayout,
     replay_TRA: Tensor | None = None,
 ) -> Tensor:
-    """hidden_TD of our model, run as the packed row or as one padded row per sample (row_layout.py)."""
+    """hidden_TD of our model, run as the packed row or as one padded row per sample (row_layout.py). On CUDA,
+    prefix trees are written out as their samples first (`expand_trees`: exact, the prefix computed once per
+    sample): no fused kernel there takes a tree's mask, and the dense mask grows as the square of the row."""
     device = input_ids_T.device
+    if device.type in EXPAND_TREES_ON and layout.num_branches:
+        source_E, own_T = expand_trees(position_ids_T)
+        replay_ERA = None if replay_TRA is None else replay_TRA[source_E]
+        expanded = build_padded_layout(position_ids_T[source_E])
+        return custom_hidden(model, input_ids_T[source_E], position_ids_T[source_E], expanded, replay_ERA)[own_T]
     autocast = torch.is_autocast_enabled(device.type)
     compute_dtype = torch.get_autocast_dtype(device.type) if autocast else model.lm_head_weight.dtype
     if not use_padded_rows(model, layout, device, compute_dtype):
@@ -160,8 +196,8 @@ def custom_hidden(
         return model.forward_hidden(input_ids_T[None], position_ids_T[None], None, replay)[0]
     input_ids_BL = unpack(input_ids_T, layout, pad_value=0)
     replay_BLRA = None if replay_TRA is None else unpack(replay_TRA, layout, pad_value=-1)
-    # Pads continue their row's positions: each row is then one causal sample, whatever its pads are.
-    position_ids_BL = torch.arange(layout.max_len, device=device).expand(layout.num_rows, -1)
+    # Pads continue their row's positions: each row is then one causal sample (or tree), whatever its pads are.
+    position_ids_BL = padded_position_ids(position_ids_T, layout)
     return pack(model.forward_hidden(input_ids_BL, position_ids_BL, None, replay_BLRA), layout)
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from slipstream.config.trainer import LossConfig
+from slipstream.models.common.prefix_tree import segment_index
 
 
 @dataclass
@@ -117,13 +118,15 @@ def ratio_outside_mask(log_ratio_T: Tensor, low: float, high: float) -> Tensor:
 
 
 def sample_ids_from_positions(position_ids_T: Tensor) -> Tensor:
-    """Index of the packed sample each token belongs to: a sample starts where position_ids restart at 0."""
+    """Index of the packed sample each token belongs to: a sample starts where position_ids restart at 0, and in a
+    prefix tree each branch is a sample (models/common/prefix_tree.py; its shared prefix carries no loss, so the
+    branch's loss tokens are exactly its sample's)."""
     if position_ids_T.ndim != 1 or position_ids_T.numel() == 0 or int(position_ids_T[0]) != 0:
         raise ValueError(
             "position_ids_T must be a non-empty 1-D tensor starting at 0 (one packed micro-batch), "
             f"got shape {tuple(position_ids_T.shape)}"
         )
-    return torch.cumsum((position_ids_T == 0).long(), dim=0) - 1
+    return segment_index(position_ids_T)
 
 
 def geo_mask(log_ratio_T: Tensor, loss_mask_T: Tensor, position_ids_T: Tensor, low: float, high: float) -> Tensor:

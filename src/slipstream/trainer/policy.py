@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from slipstream.models.common.prefix_tree import parent_index
 from slipstream.parallel.cp import ContextParallel
 from slipstream.trainer.logprobs import DEFAULT_CHUNK_SIZE, packed_logprobs
 
@@ -52,11 +53,16 @@ class Policy(nn.Module):
             replay_TRA=replay_TRA,
         )
 
-    def owned_tokens(self, num_tokens: int, device: torch.device) -> Tensor | None:
-        """owned_T: the tokens of a micro-batch whose loss this rank adds up; None (all of them) without CP."""
+    def owned_tokens(
+        self, num_tokens: int, device: torch.device, position_ids_T: Tensor | None = None
+    ) -> Tensor | None:
+        """owned_T: the tokens of a micro-batch whose loss this rank adds up; None (all of them) without CP. Pass
+        the micro-batch's `position_ids_T` when it may hold prefix trees (a branch's first token is predicted from
+        the shared prefix)."""
         if self.context_parallel is None:
             return None
-        return self.context_parallel.owned_tokens(num_tokens, device)
+        parent_T = None if position_ids_T is None else parent_index(position_ids_T)
+        return self.context_parallel.owned_tokens(num_tokens, device, parent_T)
 
 
 def load_model(model_dir: Path, impl: str) -> tuple[nn.Module, str]:

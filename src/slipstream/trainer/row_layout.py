@@ -5,9 +5,10 @@ Where no fused varlen kernel applies (CPU; float32 on CUDA) packed samples share
 mask, and attention costs T^2 for T packed tokens, most of it masked away: with many short samples (RL groups of
 short completions) that dominates the step. Padded rows cost B * L^2 attention (B samples, L the longest) plus the
 linear layers over the B * L - T pad tokens; on CUDA they also turn the masked path into fused causal attention.
-Pads sit at the end of their row and only attend backwards, so no real token ever sees one.
+Pads sit at the end of their row and only attend backwards, so no real token ever sees one. A prefix tree (samples
+sharing a prompt, models/common/prefix_tree.py) is one padded row: its branches stay in the row, under its mask.
 
-Legend: T = packed tokens, B = samples, L = longest sample.
+Legend: T = packed tokens, B = trees (a plain sample is a tree without branches), L = longest tree.
 """
 
 import torch
@@ -23,12 +24,16 @@ _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 def use_padded_rows(model: nn.Module, layout: PaddedLayout, device: torch.device, compute_dtype: torch.dtype) -> bool:
     """True when one padded row per sample costs fewer FLOPs than the packed row for our `model`.
 
-    Never for a single sample, for MoE models (pad tokens would be routed and counted in the load-balance
-    statistics), or where packed rows run the fused varlen kernel (CUDA, 16-bit compute) and pads are only waste.
+    Never for a single sample (or tree), for MoE models (pad tokens would be routed and counted in the load-balance
+    statistics), or where packed rows run the fused varlen kernel (CUDA, 16-bit compute, no prefix trees) and pads
+    are only waste.
     """
     if not isinstance(model, DecoderLM) or layout.num_rows == 1 or hasattr(model, "moe_stats"):
         return False
-    if device.type == "cuda" and varlen_attn is not None and compute_dtype in _SIXTEEN_BIT:
+    # Prefix trees take the masked reference on every device (no fused kernel takes their mask): padded rows, one
+    # per tree, keep that mask [trees, L, L] instead of [T, T].
+    fused = device.type == "cuda" and varlen_attn is not None and compute_dtype in _SIXTEEN_BIT
+    if fused and not layout.num_branches:
         return False
     num_tokens, num_rows, max_len = int(layout.row_T.numel()), layout.num_rows, layout.max_len
     per_token, per_pair = layer_flops(model)

@@ -59,7 +59,7 @@ def train_step(
                 replay_TRA=packed.replay_TRA,
             )
         # Context parallelism: the cp ranks share this micro-batch, and each adds up the loss of its own tokens.
-        owned_T = policy.owned_tokens(packed.num_tokens, device)
+        owned_T = policy.owned_tokens(packed.num_tokens, device, packed.position_ids_T)
         loss, stats = rl_loss(
             logprobs_T,
             packed.inference_logprobs_T,

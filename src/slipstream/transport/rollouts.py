@@ -1,7 +1,10 @@
 """Training batches on the filesystem: `rollouts/step_N/rank_R.msgpack`, msgspec-encoded, written atomically.
 
 Token arrays of a micro-batch are aligned with `input_ids`: entry t describes token t. Several samples are
-packed into one micro-batch; `position_ids` restart at 0 where a new sample begins.
+packed into one micro-batch; `position_ids` restart at 0 where a new sample begins. Samples sharing a prompt may be
+packed as a prefix tree (orchestrator.shared_prefix): the first sample whole, then each further sample's tokens
+after the shared prefix, their positions continuing the prefix's (models/common/prefix_tree.py). A shared prefix
+carries no loss and keeps the first sample's per-token values (router replay rows included).
 """
 
 import time
@@ -33,7 +36,8 @@ class MicroBatch(msgspec.Struct, frozen=True):
     input_ids: list[int]
     """Prompt and completion tokens of every sample, concatenated."""
     position_ids: list[int]
-    """Position of each token inside its own sample (restarts at 0 per sample)."""
+    """Position of each token inside its own sample (restarts at 0 per sample; in a prefix tree a further sample's
+    first token continues at the position it has after the shared prefix)."""
     loss_mask: list[bool]
     """True where the token was sampled by the policy and carries loss."""
     advantages: list[float]

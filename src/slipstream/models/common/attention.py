@@ -1,11 +1,13 @@
 """Self-attention over PACKED rows (samples share a row; position_ids restart at 0 at each sample; no token sees
-another sample), with one path per device and layout, picked once per forward by `build_attention_layout`:
+another sample; prefix trees share a prompt among samples, common/prefix_tree.py), with one path per device and
+layout, picked once per forward by `build_attention_layout`:
 
 | backend       | when                                             | kernel                                         |
 |---------------|--------------------------------------------------|------------------------------------------------|
 | "causal"      | CUDA, every row holds one sample                 | SDPA is_causal=True (cuDNN, else flash)        |
 | "varlen"      | CUDA, packed rows, 16-bit compute (bf16 / fp16)  | flash attention varlen over cu_seqlens         |
-| "reference"   | anything else (CPU; float32 packed rows on CUDA) | block-diagonal causal mask + SDPA, O(T^2) mask |
+| "reference"   | anything else (CPU; float32 packed rows on CUDA; | block-diagonal causal mask + SDPA, O(T^2) mask |
+|               | rows holding prefix trees)                       |                                                |
 | "context_parallel" | a ContextShard is given (any device)        | all-gathered K/V + the reference mask at offset |
 
 Packed rows on CUDA also take the reference where torch has no `torch.nn.attention.varlen` (before 2.10).
@@ -29,6 +31,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from slipstream.models.common.norm import RMSNorm
+from slipstream.models.common.prefix_tree import has_branches, tree_mask
 from slipstream.models.common.rope import apply_rope
 
 try:  # torch >= 2.10
@@ -83,12 +86,6 @@ class AttentionLayout:
     """context_parallel only: [B, 1, t, T], True where a query of the shard may attend to a key of the row."""
 
 
-def sample_ids(position_ids_BT: Tensor) -> Tensor:
-    """sample_ids_BT: index of the sample each token belongs to; a new sample starts wherever position_ids == 0
-    (the trainer's packing convention, and how varlen flash attention derives cu_seqlens)."""
-    return (position_ids_BT == 0).cumsum(dim=-1)
-
-
 def build_attention_layout(
     position_ids_BT: Tensor, compute_dtype: torch.dtype, context: ContextShard | None = None
 ) -> AttentionLayout:
@@ -104,6 +101,8 @@ def build_attention_layout(
     starts_BT = position_ids_BT == 0
     starts_BT[:, 0] = True  # a row's first token starts a group even when its positions do not start at 0
     starts_S = torch.nonzero(starts_BT.flatten()).squeeze(-1)
+    if bool(has_branches(position_ids_BT)):  # prefix trees: only the reference's mask expresses their branches
+        return AttentionLayout("reference", position_ids_BT)
     num_rows = position_ids_BT.shape[0]
     if starts_S.numel() == num_rows:
         return AttentionLayout("causal", position_ids_BT)
@@ -115,25 +114,17 @@ def build_attention_layout(
 
 
 def build_packed_causal_mask(position_ids_BT: Tensor) -> Tensor:
-    """mask_B1TT (bool, True = may attend): causal and block-diagonal over the samples of each row.
+    """mask_B1TT (bool, True = may attend): causal and block-diagonal over the samples of each row, and over the
+    prefix trees of each row (common/prefix_tree.py: a branch also sees the root prefix it continues).
 
     O(T^2) memory per row: a reference for CPU and tests, not for long GPU sequences.
     """
-    num_tokens = position_ids_BT.shape[-1]
-    ids_BT = sample_ids(position_ids_BT)
-    same_sample_BTT = ids_BT[:, :, None] == ids_BT[:, None, :]
-    causal_TT = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=position_ids_BT.device).tril()
-    return (same_sample_BTT & causal_TT).unsqueeze(1)
+    return tree_mask(position_ids_BT)
 
 
 def build_shard_causal_mask(context: ContextShard, num_queries: int) -> Tensor:
     """mask_B1tT: `build_packed_causal_mask` of the whole rows, restricted to the shard's query rows."""
-    ids_BT = sample_ids(context.kv_position_ids_BT)
-    device = ids_BT.device
-    query_t = torch.arange(context.offset, context.offset + num_queries, device=device)
-    ids_Bt = ids_BT[:, context.offset : context.offset + num_queries]
-    causal_tT = torch.arange(ids_BT.shape[-1], device=device)[None, :] <= query_t[:, None]
-    return ((ids_Bt[:, :, None] == ids_BT[:, None, :]) & causal_tT).unsqueeze(1)
+    return tree_mask(context.kv_position_ids_BT, context.offset, num_queries)
 
 
 def context_parallel_attention(q_BtHK: Tensor, k_BtGK: Tensor, v_BtGK: Tensor, layout: AttentionLayout) -> Tensor:
