@@ -377,3 +377,28 @@ def test_a_batch_without_model_tokens_is_a_clear_error():
     rollout = Rollout(Task(id="t", prompt=[]), [], [], [], "", [], 0, samples=[], stop_reason="context_length")
     with pytest.raises(ValueError, match="step 3: no tokens to train on.*max_model_len"):
         build_training_batches(3, [rollout], 1.0, 512, 1, {})
+
+
+def test_an_environment_that_fails_every_rollout_stops_the_run(tmp_path, monkeypatch):
+    """No batch can fill when every rollout fails: the run stops with the cause instead of waiting forever."""
+    from slipstream.orchestrator.multiturn import MAX_GROUPS_WITHOUT_SURVIVORS, EnvironmentBroken
+
+    env = TalkEnv(fail_setup=lambda k: True)
+    with pytest.raises(EnvironmentBroken, match=f"last {MAX_GROUPS_WITHOUT_SURVIVORS} groups.*setup of rollout"):
+        run_env(tmp_path, monkeypatch, env, FakeChatModel(talk_script))
+
+
+@pytest.mark.parametrize("value", [float("nan"), None, float("inf")])
+def test_a_missing_or_non_finite_reward_fails_its_rollout(value):
+    from slipstream.envs.rollout import ModelTurn, RolloutError, run_rollout
+
+    class NoReward(TalkEnv):
+        async def reward(self, task, state):
+            return RewardResult(value)
+
+    async def model(messages, tools):
+        return ModelTurn({"role": "assistant", "content": "yes"})
+
+    env = NoReward()
+    outcome = asyncio.run(run_rollout(env, env.tasks("train")[0], model))
+    assert isinstance(outcome, RolloutError) and outcome.stage == "reward" and "finite number" in str(outcome)

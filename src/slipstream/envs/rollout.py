@@ -7,6 +7,8 @@ environment fails that rollout only, as a `RolloutError` the caller counts and e
 
 import asyncio
 import logging
+import math
+import numbers
 import time
 import traceback
 from collections.abc import Awaitable, Callable
@@ -128,6 +130,9 @@ async def _play(env, task: Task, model: ModelFn, progress: _Progress) -> RewardR
     reward = await _env_call("reward", env.reward(task, progress.state))
     if not isinstance(reward, RewardResult):
         raise _EnvFailure("reward", TypeError(f"reward must return a RewardResult, got {reward!r:.200}"))
+    if not isinstance(reward.value, numbers.Real) or not math.isfinite(reward.value):
+        # A missing (None) or non-finite reward is a failed rollout, never a silent 0.0 that trains.
+        raise _EnvFailure("reward", ValueError(f"reward value must be a finite number, got {reward.value!r:.200}"))
     return reward
 
 

@@ -176,13 +176,25 @@ def rollout_from_result(result: RolloutResult, group_index: int, request_version
     )
 
 
+MAX_GROUPS_WITHOUT_SURVIVORS = 16
+"""A run stops once this many groups in a row lost every rollout in their environment: it is broken, not flaky."""
+
+
+class EnvironmentBroken(RuntimeError):
+    """Every rollout of many groups in a row failed inside the environment: stop instead of waiting forever."""
+
+
 class RolloutFailures:
     """Counts rollouts that failed inside their environment, by stage, and logs each failure (the first of each
-    stage with its traceback). A group needs two surviving rollouts to compare rewards (one if group_size is 1)."""
+    stage with its traceback). A group needs two surviving rollouts to compare rewards (one if group_size is 1).
+    After MAX_GROUPS_WITHOUT_SURVIVORS groups in a row without a surviving rollout the run stops (EnvironmentBroken):
+    no batch would ever fill, and nothing is trained on rewards that were never computed."""
 
     def __init__(self, group_size: int) -> None:
         self.min_survivors = min(2, group_size)
         self.by_stage: dict[str, int] = {}
+        self.groups_without_survivors = 0
+        self.last_error: RolloutError | None = None
 
     def survivors(
         self, task: Task, outcomes: list[RolloutResult | RolloutError], group_index: int, request_version: int
@@ -194,6 +206,13 @@ class RolloutFailures:
                 self._record(outcome)
             else:
                 rollouts.append(rollout_from_result(outcome, group_index, request_version))
+        self.groups_without_survivors = 0 if rollouts else self.groups_without_survivors + 1
+        if self.groups_without_survivors >= MAX_GROUPS_WITHOUT_SURVIVORS:
+            raise EnvironmentBroken(
+                f"the environment failed every rollout of the last {self.groups_without_survivors} groups (last: "
+                f"{self.last_error}); failed rollouts by stage: {self.by_stage}. Fix the environment (its first "
+                "failure of each stage is logged above with its traceback) and resume the run"
+            )
         if len(rollouts) < self.min_survivors:
             print(
                 f"[orchestrator] group of task {task.id} dropped: {len(rollouts)} of {len(outcomes)} rollouts "
@@ -204,6 +223,7 @@ class RolloutFailures:
         return rollouts
 
     def _record(self, error: RolloutError) -> None:
+        self.last_error = error
         first = error.stage not in self.by_stage
         self.by_stage[error.stage] = self.by_stage.get(error.stage, 0) + 1
         print(f"[orchestrator] {error} (excluded from training)", flush=True)
