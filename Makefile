@@ -13,6 +13,13 @@ $(STAMP): pyproject.toml
 	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 		apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; } || \
 		echo "warning: bubblewrap is not installed: the sandbox will refuse untrusted code (see src/slipstream/sandbox)"
+	@# a one-node Slurm (tests/e2e/test_slurm.py) and shellcheck (rendered job scripts): installed when we can (root +
+	@# apt); without them those tests fail saying so (as non-root they are skipped: slurmd needs root)
+	@{ PATH="$$PATH:/usr/sbin:/sbin" && command -v slurmd && command -v slurmctld && command -v munged && \
+		command -v sbatch && command -v shellcheck; } >/dev/null 2>&1 || \
+		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge shellcheck >/dev/null; } || \
+		echo "warning: Slurm or shellcheck is not installed (apt-get install slurmctld slurmd slurm-client munge shellcheck): the Slurm tests will fail"
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[$(EXTRA),dev]"

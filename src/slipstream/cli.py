@@ -13,7 +13,8 @@ USAGE = """usage: slipstream <command> [-c FILE.toml]... [--section.key VALUE]..
 Asynchronous reinforcement learning for LLMs.
 
 commands:
-  rl            run inference + orchestrator + trainer together (the usual entry point)
+  rl            run inference + orchestrator + trainer together (the usual entry point; with [slurm]:
+                submit them as a Slurm job, --dry-run to only write its script)
   inference     run the vLLM inference server with Slipstream's weight-loading extension
   orchestrator  run the orchestrator (rollouts, rewards, batches)
   trainer       run the trainer (launch it under torchrun for several ranks)
@@ -92,6 +93,8 @@ def _run_config_command(command: str, rest: list[str]) -> int:
         for line in str(e).splitlines():
             print(f"error: {line}", file=sys.stderr)
         return 2
+    if getattr(config, "slurm", None) is not None:
+        run_module, run_name = "slipstream.launch.slurm", "submit_rl"  # [slurm]: submit the run instead
     run = getattr(importlib.import_module(run_module), run_name)
     try:
         result = run(config)

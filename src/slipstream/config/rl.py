@@ -11,6 +11,7 @@ from slipstream.config.deployment import DeploymentConfig
 from slipstream.config.inference import InferenceConfig
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.config.shared import CheckpointConfig, ModelConfig
+from slipstream.config.slurm import SlurmConfig
 from slipstream.config.trainer import TrainerConfig
 from slipstream.config.weights import WeightsConfig
 
@@ -96,6 +97,12 @@ class RLConfig(BaseConfig):
     trainer: TrainerConfig
     launch: LaunchConfig = LaunchConfig()
     deployment: DeploymentConfig = DeploymentConfig()
+    slurm: SlurmConfig | None = None
+    """Present: submit the run as a Slurm job (see launch/slurm.py) instead of running it on this machine."""
+
+    dry_run: bool = False
+    """`--dry-run` (with [slurm]): write the job script and the node configs, print the sbatch command, submit
+    nothing."""
 
     @model_validator(mode="before")
     @classmethod
@@ -204,6 +211,24 @@ class RLConfig(BaseConfig):
         return self
 
     @model_validator(mode="after")
+    def _check_slurm(self) -> "RLConfig":
+        if self.slurm is None:
+            if self.dry_run:
+                raise ValueError("--dry-run only applies to a Slurm submission: add a [slurm] section, or drop it")
+            return self
+        if "run" in self.deployment.model_fields_set:
+            raise ValueError(
+                "deployment.run is chosen for each node by [slurm] (slurm.num_nodes); remove deployment.run"
+            )
+        if self.slurm.num_nodes > 1 and self.weights.transport == "auto":
+            raise ValueError(
+                f"slurm.num_nodes = {self.slurm.num_nodes} puts inference and the trainer on different nodes, which "
+                "must agree on how weights travel: set weights.transport ('filesystem' through the shared run "
+                "directory, 'nccl' between GPU nodes, 'gloo' between CPU nodes)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_router_replay(self) -> "RLConfig":
         launched = "inference" in self.deployment.run
         if self.orchestrator.router_replay and launched and not self.inference.enable_return_routed_experts:
@@ -217,6 +242,19 @@ class RLConfig(BaseConfig):
         """Trainer ranks on this node as far as the config fixes them (launch.num_trainer_procs, else the trainer's
         GPU count, 1 on CPU); None: decided at launch from the visible GPUs."""
         return _known_trainer_procs(self.launch.model_dump(), self.deployment.model_dump())
+
+    def user_toml_dict(self) -> dict[str, Any]:
+        """This config as a user writes it (what `-c` loads back, dotted overrides included): the shared fields
+        only at the top level, the derived ones (orchestrator.num_trainer_ranks, the sections' resume_step) left out.
+        """
+        data = self.to_toml_dict()
+        for key, sections in _SHARED.items():
+            for section in sections:
+                data[section].pop(key, None)
+        data["orchestrator"].pop("num_trainer_ranks", None)
+        for section in ("orchestrator", "trainer"):
+            data[section].pop("resume_step", None)
+        return data
 
     def rebuilt(self, changes: dict[str, Any]) -> "RLConfig":
         """This config with `changes` merged in (nested tables merge) and validated again, so shared fields are

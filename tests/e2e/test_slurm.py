@@ -1,0 +1,171 @@
+"""`slipstream rl` with `[slurm]` against a real one-node Slurm (munged, slurmctld, slurmd on loopback): the job trains
+the tiny model through real vLLM, exit codes travel from a node to `sbatch --wait`, `scancel` mid-run leaves no
+process behind and `--resume` in a second job continues from the last checkpoint. The two-node layout's per-node
+script runs twice on this machine as the two nodes of a fake allocation (SLURM_* of a 2-node job, both loopback)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slipstream.rundir import RunDir
+from tests.e2e.helpers import free_port, processes_with_marker, tiny_rl_config, write_config
+from tests.e2e.slurm_cluster import PACKAGES, SlurmCluster, cluster_path, missing_binaries, one_node_cluster
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory) -> SlurmCluster:
+    if os.geteuid() != 0:
+        pytest.skip("a test Slurm cluster needs root (slurmd); run the tests as root to include them")
+    if missing := missing_binaries(cluster_path()):
+        pytest.fail(
+            f"Slurm is not installed ({', '.join(missing)} missing): `make setup` installs it as root with apt-get; "
+            f"or run `apt-get install -y {PACKAGES}`"
+        )
+    with one_node_cluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _rl(config: Path, env: dict, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "slipstream", "rl", "-c", str(config), *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _job_id(stdout: str) -> str:
+    match = re.search(r"submitted job (\d+)", stdout)
+    assert match, stdout
+    return match.group(1)
+
+
+def _logs(out: Path) -> str:
+    parts = []
+    for path in sorted(out.rglob("*.log")):
+        parts.append(f"----- {path}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-30:]))
+    return "\n".join(parts)
+
+
+def _wait_gone(marker: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while processes_with_marker(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_with_marker(marker) == [], "processes left behind by the job"
+
+
+@pytest.mark.timeout(900)
+def test_job_trains_three_steps_and_writes_per_node_logs(slurm_cluster, tiny_qwen3_dir, tmp_path, run_env):
+    marker, env = run_env
+    out = tmp_path / "run"
+    config = tiny_rl_config(tiny_qwen3_dir, out, max_steps=3)
+    config["slurm"] = {"wait": True, "job_name": "tiny"}
+    start = time.monotonic()
+    proc = _rl(write_config(tmp_path / "rl.toml", config), {**slurm_cluster.env, **env})
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{_logs(out)}"
+    job = _job_id(proc.stdout)
+    assert [m["step"] for m in _metrics(out)] == [1, 2, 3]
+    info = slurm_cluster.scontrol_job(job)
+    assert (info["JobState"], info["ExitCode"], info["JobName"]) == ("COMPLETED", "0:0", "tiny")
+    node_log = (out / "slurm" / "logs" / f"job_{job}_node_0.log").read_text()
+    assert "role all" in node_log and "done: 3 steps" in node_log, node_log
+    assert f"job {job} on localhost" in (out / "slurm" / "logs" / f"job_{job}.log").read_text()
+    for role in ("inference", "trainer", "orchestrator"):
+        assert RunDir(out).log_path(role).stat().st_size > 0, role
+    assert (out / "slurm" / f"job_{job}" / "all.exit").read_text().strip() == "0"
+    _wait_gone(marker)
+    print(f"slurm job of 3 steps: {time.monotonic() - start:.0f}s")
+
+
+def test_a_failing_node_fails_the_job_with_its_exit_code(slurm_cluster, tiny_qwen3_dir, tmp_path):
+    out = tmp_path / "run"
+    config = tiny_rl_config(tiny_qwen3_dir, out, max_steps=3)
+    config["slurm"] = {"wait": True, "setup": ["echo 'setup failed' >&2; exit 3"]}
+    proc = _rl(write_config(tmp_path / "rl.toml", config), slurm_cluster.env, timeout=120)
+    assert proc.returncode == 3, f"{proc.stdout}\n{proc.stderr}"
+    job = _job_id(proc.stdout)
+    assert slurm_cluster.scontrol_job(job)["ExitCode"] == "3:0"
+    assert "setup failed" in (out / "slurm" / "logs" / f"job_{job}_node_0.log").read_text()
+
+
+@pytest.mark.timeout(1200)
+def test_scancel_leaves_nothing_and_resume_continues_in_a_new_job(slurm_cluster, tiny_qwen3_dir, tmp_path, run_env):
+    marker, env = run_env
+    env = {**slurm_cluster.env, **env}
+    out, max_steps = tmp_path / "run", 60
+    config = tiny_rl_config(tiny_qwen3_dir, out, max_steps=max_steps, checkpoint={"interval": 1, "keep_last": 2})
+    config["slurm"] = {}
+    path = write_config(tmp_path / "rl.toml", config)
+    proc = _rl(path, env, timeout=60)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    job = _job_id(proc.stdout)
+    deadline = time.monotonic() + 600
+    while not RunDir(out).committed_checkpoint_steps():
+        assert time.monotonic() < deadline, f"no checkpoint committed in 600s\n{_logs(out)}"
+        assert slurm_cluster.scontrol_job(job).get("JobState") in ("PENDING", "RUNNING"), _logs(out)
+        time.sleep(0.2)
+    assert processes_with_marker(marker), "the job's processes carry the test's marker"
+    subprocess.run(["scancel", job], env=env, check=True, timeout=30)
+    info = slurm_cluster.wait_job_end(job, 120)
+    assert info["JobState"] == "CANCELLED", info
+    _wait_gone(marker)
+    done = [m["step"] for m in _metrics(out)] if (out / "metrics.jsonl").exists() else []
+    assert len(done) < max_steps, "the job finished before scancel: the test cannot check a cancel"
+    last = RunDir(out).committed_checkpoint_steps()[-1]
+
+    proc = _rl(path, env, "--resume", "--slurm.wait", "true", timeout=900)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{_logs(out)}"
+    second = _job_id(proc.stdout)
+    node_log = (out / "slurm" / "logs" / f"job_{second}_node_0.log").read_text()
+    resumed = re.search(r"resuming \S+ after step (\d+)", node_log)
+    assert resumed and int(resumed.group(1)) >= last, node_log
+    assert [m["step"] for m in _metrics(out)] == list(range(1, max_steps + 1))
+    _wait_gone(marker)
+
+
+@pytest.mark.timeout(900)
+def test_two_node_script_runs_as_two_nodes_on_this_machine(slurm_cluster, tiny_qwen3_dir, tmp_path, run_env):
+    marker, env = run_env
+    out = tmp_path / "run"
+    config = tiny_rl_config(tiny_qwen3_dir, out, max_steps=3, weights={"transport": "gloo", "master_port": free_port()})
+    config["slurm"] = {"num_nodes": 2, "grace_s": 5}
+    proc = _rl(write_config(tmp_path / "rl.toml", config), env, "--dry-run", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    node_script = out / "slurm" / "node.sh"
+    assert proc.stdout.strip().endswith(f"sbatch --parsable {out / 'slurm' / 'job.sbatch'}")
+    allocation = {
+        "SLURM_JOB_ID": "424242",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_JOB_NODELIST": "localhost,localhost",
+        "SLIPSTREAM_ADMIN_TOKEN": "shared-by-the-job-script",
+    }
+    start, nodes = time.monotonic(), []
+    for node_id in (0, 1):
+        log = open(tmp_path / f"node_{node_id}.log", "w")
+        node_env = {**slurm_cluster.env, **env, **allocation, "SLURM_NODEID": str(node_id)}
+        nodes.append(subprocess.Popen(["bash", str(node_script)], env=node_env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        codes = [node.wait(timeout=600) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    logs = [(tmp_path / f"node_{i}.log").read_text() for i in (0, 1)]
+    assert codes == [0, 0], f"{logs}\n{_logs(out)}"
+    assert [m["step"] for m in _metrics(out)] == [1, 2, 3]
+    assert "role inference" in logs[0] and "trainer ended (exit 0); stopping inference" in logs[0], logs[0]
+    assert "role trainer" in logs[1] and "done: 3 steps" in logs[1], logs[1]
+    inference_dir = out / "slurm" / "nodes" / "inference_0"
+    assert RunDir(inference_dir).log_path("inference").stat().st_size > 0
+    assert {p.name for p in RunDir(out).logs_dir.iterdir()} >= {"trainer.log", "orchestrator.log"}
+    assert "inference.log" not in {p.name for p in RunDir(out).logs_dir.iterdir()}
+    _wait_gone(marker)
+    print(f"two-node per-node scripts, 3 steps: {time.monotonic() - start:.0f}s")

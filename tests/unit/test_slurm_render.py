@@ -1,0 +1,195 @@
+"""[slurm] rendering without a cluster: `slipstream rl --dry-run` writes the job script, the per-node script and the
+node configs; the scripts pass `bash -n` and shellcheck and match golden files (the node configs, full dumps of every
+default, are checked by loading them back instead); config mistakes fail with the field named. (A real Slurm runs
+the scripts in tests/e2e/test_slurm.py.)"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+import tomli_w
+
+from slipstream.config.base import ConfigError
+from slipstream.config.loader import load_config
+from slipstream.config.rl import RLConfig
+from slipstream.launch.slurm import render_job
+
+GOLDEN = Path(__file__).parent / "golden" / "slurm"
+UPDATE_ENV = "SLIPSTREAM_UPDATE_GOLDEN"
+"""Set to 1 to rewrite the golden files from the current templates (then review the diff)."""
+
+LAYOUTS = {
+    "one_node": {"slurm": {"partition": "debug", "time_limit": "04:00:00", "gpus_per_node": 8}},
+    "two_node_gloo": {
+        "weights": {"transport": "gloo"},
+        "slurm": {
+            "num_nodes": 2,
+            "account": "rl",
+            "sbatch_args": ["--qos=high"],
+            "setup": ["module load cuda"],
+            "env": {"HF_HOME": "/shared/hf cache"},
+        },
+    },
+    "two_node_filesystem": {"weights": {"transport": "filesystem"}, "slurm": {"num_nodes": 2, "exclusive": True}},
+}
+
+
+def _config(tmp_path: Path, **sections) -> dict:
+    config = {
+        "max_steps": 3,
+        "output_dir": str(tmp_path / "run"),
+        "model": {"name": "org/tiny-model"},
+        "inference": {"port": 8123},
+        "orchestrator": {"env": {"name": "reverse_text"}},
+        "trainer": {},
+    }
+    for name, values in sections.items():
+        config.setdefault(name, {}).update(values)
+    config.setdefault("slurm", {}).setdefault("python", "/opt/venv/bin/python")
+    return config
+
+
+def _load(tmp_path: Path, config: dict, *overrides: str) -> RLConfig:
+    path = tmp_path / "rl.toml"
+    path.write_text(tomli_w.dumps(config))
+    return load_config(RLConfig, ["-c", str(path), *overrides])
+
+
+def _need(tool: str) -> str:
+    path = shutil.which(tool)
+    if path is None and os.geteuid() != 0:
+        pytest.skip(f"{tool} is not installed and this is not root (`make setup` as root installs it)")
+    assert path is not None, f"{tool} is not installed: `make setup` installs it as root, or `apt-get install {tool}`"
+    return path
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_rendered_scripts_pass_bash_n_shellcheck_and_match_golden(layout, tmp_path):
+    files = render_job(_load(tmp_path, _config(tmp_path, **LAYOUTS[layout])))
+    shellcheck = _need("shellcheck")
+    for script in (files.job_script, files.node_script):
+        assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0, script
+        check = subprocess.run([shellcheck, "-s", "bash", str(script)], capture_output=True, text=True)
+        assert check.returncode == 0, f"{script.name}:\n{check.stdout}"
+    rendered = {p.name: p.read_text().replace(str(tmp_path), "/TMP") for p in (files.job_script, files.node_script)}
+    assert sorted(files.node_configs) == (["all"] if layout == "one_node" else ["inference", "trainer"])
+    folder = GOLDEN / layout
+    if os.environ.get(UPDATE_ENV) == "1":
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in rendered.items():
+            (folder / name).write_text(text)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(rendered), f"set {UPDATE_ENV}=1 to rewrite them"
+    for name, text in rendered.items():
+        assert text == (folder / name).read_text(), f"{layout}/{name} differs from golden; {UPDATE_ENV}=1 rewrites it"
+
+
+def test_node_configs_load_back_with_the_node_overrides(tmp_path):
+    config = _load(tmp_path, _config(tmp_path, **LAYOUTS["two_node_gloo"]), "--resume")
+    files = render_job(config)
+    overrides = ["--orchestrator.inference_url", "http://node-a:8123", "--weights.master_addr", "node-b"]
+    inference = load_config(RLConfig, ["-c", str(files.node_configs["inference"]), *overrides])
+    trainer = load_config(RLConfig, ["-c", str(files.node_configs["trainer"]), *overrides])
+    assert inference.deployment.run == ["inference"] and inference.inference.host == "0.0.0.0"
+    assert inference.output_dir == tmp_path / "run" / "slurm" / "nodes" / "inference_0"
+    assert trainer.deployment.run == ["trainer", "orchestrator"] and trainer.output_dir == tmp_path / "run"
+    assert (
+        trainer.orchestrator.inference_url == "http://node-a:8123" and trainer.trainer.weights.master_addr == "node-b"
+    )
+    assert trainer.resume and trainer.trainer.resume_step == "latest"
+    assert inference.slurm is None and trainer.slurm is None
+    raw = tomllib.loads(files.node_configs["trainer"].read_text())
+    assert "slurm" not in raw and "weights" not in raw["trainer"]
+
+
+def test_dry_run_prints_the_sbatch_command_and_submits_nothing(tmp_path):
+    path = tmp_path / "rl.toml"
+    path.write_text(tomli_w.dumps(_config(tmp_path, slurm={"wait": True})))
+    env = {**os.environ, "PATH": str(tmp_path / "no-slurm-here")}  # an sbatch call would fail: none is found
+    cmd = [sys.executable, "-m", "slipstream", "rl", "-c", str(path), "--dry-run"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    script = tmp_path / "run" / "slurm" / "job.sbatch"
+    assert proc.stdout.strip().splitlines()[-1] == f"sbatch --parsable --wait {script}"
+    assert script.is_file() and (tmp_path / "run" / "slurm" / "node_all.toml").is_file()
+    proc = subprocess.run(cmd[:-1], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and "sbatch is not on PATH" in proc.stderr and "--dry-run" in proc.stderr
+
+
+def test_custom_templates_render_with_the_same_variables(tmp_path):
+    job = tmp_path / "job.jinja"
+    job.write_text("#!/bin/bash\n#SBATCH --nodes={{ num_nodes }}\n# {{ roles | map(attribute='name') | join(',') }}\n")
+    node = tmp_path / "node.jinja"
+    node.write_text("#!/bin/bash\n{{ python | q }} -m slipstream rl -c {{ roles[0].config | q }}\n")
+    config = _config(tmp_path, weights={"transport": "filesystem"})
+    config["slurm"] |= {"num_nodes": 2, "job_template": str(job), "node_template": str(node)}
+    files = render_job(_load(tmp_path, config))
+    assert files.job_script.read_text() == "#!/bin/bash\n#SBATCH --nodes=2\n# inference,trainer\n"
+    assert "/opt/venv/bin/python -m slipstream rl -c" in files.node_script.read_text()
+    node.write_text("{{ no_such_variable }}")
+    with pytest.raises(ConfigError, match="no_such_variable"):
+        render_job(_load(tmp_path, config))
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"slurm": {"num_nodes": 3}}, r"slurm.num_nodes = 3: only 1 node"),
+        ({"slurm": {"num_nodes": 2}}, r"set weights.transport"),
+        ({"deployment": {"run": ["inference"]}, "weights": {"transport": "filesystem"}}, r"remove deployment.run"),
+        ({"slurm": {"sbatch_args": ["qos=high"]}}, r"slurm.sbatch_args entry 'qos=high'"),
+        ({"slurm": {"job_template": "/no/such/file.jinja"}}, r"slurm.job_template .* is not a file"),
+        ({"slurm": {"env": {"A-B": "1"}}}, r"slurm.env key 'A-B'"),
+    ],
+)
+def test_config_mistakes_name_the_field(sections, message, tmp_path):
+    with pytest.raises(ConfigError, match=message):
+        _load(tmp_path, _config(tmp_path, **sections))
+
+
+def test_dry_run_without_slurm_is_an_error(tmp_path):
+    config = _config(tmp_path)
+    del config["slurm"]
+    with pytest.raises(ConfigError, match="--dry-run only applies to a Slurm submission"):
+        _load(tmp_path, config, "--dry-run")
+
+
+FAKE_PYTHON = """#!/bin/bash
+# stands in for `python -m slipstream ...`: the cleanup exits at once, `rl` runs until SIGTERM (exit 130)
+[[ "$2" == slipstream.launch.stale ]] && exit 0
+trap 'echo "stopped after $SECONDS s"; exit 130' TERM
+while true; do sleep 0.1; done
+"""
+
+
+@pytest.mark.parametrize(
+    ("role", "node_id", "peer", "waits"), [("trainer", 1, "inference", 2), ("inference", 0, "trainer", 0)]
+)
+def test_node_script_stops_when_the_other_node_ends_after_the_grace_period(role, node_id, peer, waits, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("python", FAKE_PYTHON), ("scontrol", "#!/bin/bash\nprintf 'node-a\\nnode-b\\n'\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    config = _config(tmp_path, weights={"transport": "filesystem"})
+    config["slurm"] |= {"num_nodes": 2, "grace_s": 2, "python": str(bin_dir / "python")}
+    files = render_job(_load(tmp_path, config))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_NODEID": str(node_id)}
+    env |= {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node-[a-b]"}
+    node = subprocess.Popen(["bash", str(files.node_script)], env=env, stdout=subprocess.PIPE, text=True)
+    exits = files.node_script.parent / "job_7"
+    time.sleep(1.5)
+    assert node.poll() is None, "the node's part ended before the other node did"
+    (exits / f"{peer}.exit").write_text("1\n")
+    out, _ = node.communicate(timeout=30)
+    stopped = float(re.search(r"stopped after (\d+) s", out).group(1))
+    assert waits <= stopped - 1 <= waits + 2, out
+    assert f"{peer} ended (exit 1); stopping {role}" in out
+    assert (exits / f"{role}.exit").read_text().strip() == "130"
+    # the inference node stopped on purpose leaves the job's exit code to the trainer's node
+    assert node.returncode == (0 if role == "inference" else 130), out
