@@ -402,3 +402,29 @@ def test_a_missing_or_non_finite_reward_fails_its_rollout(value):
     env = NoReward()
     outcome = asyncio.run(run_rollout(env, env.tasks("train")[0], model))
     assert isinstance(outcome, RolloutError) and outcome.stage == "reward" and "finite number" in str(outcome)
+
+
+def test_orchestrator_serves_its_metrics_to_prometheus(tmp_path, monkeypatch):
+    """monitor.prometheus_port: the orchestrator serves its step metrics and counters on the next port."""
+    import socket
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from slipstream.monitor.prometheus import PrometheusExporter
+
+    exporters = []
+    monkeypatch.setattr(PrometheusExporter, "close", lambda self: exporters.append(self))  # scraped after the run
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1] - 1  # the orchestrator takes monitor.prometheus_port + 1
+    run_env(tmp_path, monkeypatch, TalkEnv(), FakeChatModel(talk_script), monitor={"prometheus_port": port})
+    (exporter,) = exporters
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port + 1}/metrics", timeout=5).text
+    finally:
+        exporter.server.shutdown()
+        exporter.server.server_close()
+    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.labels}
+    assert got["slipstream_step"] == 2 and got["slipstream_batch_num_rollouts"] == 4
+    assert "slipstream_pipeline_dispatched_groups" in got

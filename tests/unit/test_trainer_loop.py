@@ -213,3 +213,39 @@ def test_bf16_updates_fp32_masters_and_publishes_bf16(model, model_dir, tmp_path
     published = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
     expected = _reference_logprobs(published, probe["token_ids"], [1.0] * len(probe["token_ids"]))[1:]
     torch.testing.assert_close(torch.tensor(probe["logprobs"]), expected, rtol=0, atol=1e-5)
+
+
+def test_run_trainer_serves_prometheus_and_logs_to_wandb_offline(model, model_dir, tmp_path, monkeypatch):
+    """monitor.prometheus_port: rank 0 serves each step's record; monitor.wandb (offline): one local run."""
+    import socket
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from slipstream.config.monitor import MonitorConfig, WandbConfig
+    from slipstream.monitor.prometheus import PrometheusExporter
+
+    pytest.importorskip("wandb", reason="the wandb extra is not installed")
+    exporters = []
+    monkeypatch.setattr(PrometheusExporter, "close", lambda self: exporters.append(self))  # scraped after the run
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _write_batches(model, tmp_path, num_steps=2)
+    monitor = MonitorConfig(prometheus_port=port, wandb=WandbConfig(mode="offline"))
+    config = TrainerConfig(
+        model=ModelConfig(name=str(model_dir)), output_dir=tmp_path, max_steps=2, device="cpu", monitor=monitor
+    )
+    run_trainer(config)
+    (exporter,) = exporters
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    finally:
+        exporter.server.shutdown()
+        exporter.server.server_close()
+    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.labels}
+    last = read_metrics(tmp_path)[-1]
+    assert got["slipstream_step"] == 2 and got["slipstream_reward_mean"] == 0.5
+    assert got["slipstream_loss"] == pytest.approx(last["loss"])
+    (run,) = (tmp_path / "wandb").rglob("offline-run-*")
+    assert b"grad_norm" in b"".join(p.read_bytes() for p in run.glob("*.wandb"))

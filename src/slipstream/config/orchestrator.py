@@ -6,6 +6,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from slipstream.config.base import BaseConfig
+from slipstream.config.monitor import MonitorConfig
 from slipstream.config.shared import CheckpointConfig, ModelConfig
 from slipstream.config.weights import WeightsConfig
 
@@ -251,6 +252,9 @@ class OrchestratorConfig(BaseConfig):
     """How each completion token gets the policy version that produced it. stream (vLLM): completions are
     streamed and each token is stamped with the version served when it arrives. reply: non-streaming requests
     whose choices carry `token_versions` (the simulated server); a reply without them is an error."""
+
+    monitor: MonitorConfig = MonitorConfig()
+    """Weights & Biases and Prometheus (config/monitor.py). Under `slipstream rl` set once at the top level."""
 
     router_replay: bool = False
     """Router replay for MoE models (R3): every completion must come with the experts inference routed its tokens

@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field, model_validator
 from slipstream.config.base import BaseConfig
 from slipstream.config.deployment import DeploymentConfig
 from slipstream.config.inference import InferenceConfig
+from slipstream.config.monitor import MonitorConfig
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.config.shared import CheckpointConfig, ModelConfig
 from slipstream.config.slurm import SlurmConfig
@@ -23,6 +24,7 @@ _SHARED = {
     "seed": ("inference", "orchestrator", "trainer"),
     "checkpoint": ("orchestrator", "trainer"),
     "weights": ("inference", "orchestrator", "trainer"),
+    "monitor": ("orchestrator", "trainer"),
 }
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -97,6 +99,9 @@ class RLConfig(BaseConfig):
     trainer: TrainerConfig
     launch: LaunchConfig = LaunchConfig()
     deployment: DeploymentConfig = DeploymentConfig()
+    monitor: MonitorConfig = MonitorConfig()
+    """Weights & Biases (the trainer's step records: both processes' metrics in one run) and Prometheus endpoints
+    (trainer on monitor.prometheus_port, orchestrator on the next port); copied into both sections."""
     slurm: SlurmConfig | None = None
     """Present: submit the run as a Slurm job (see launch/slurm.py) instead of running it on this machine."""
 

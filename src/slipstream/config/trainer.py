@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from slipstream.config.base import BaseConfig
+from slipstream.config.monitor import MonitorConfig
 from slipstream.config.shared import CheckpointConfig, ModelConfig
 from slipstream.config.weights import WeightsConfig
 
@@ -182,6 +183,9 @@ class TrainerConfig(BaseConfig):
     loss: LossConfig = LossConfig()
     probe: ProbeConfig = ProbeConfig()
     parallel: ParallelConfig = ParallelConfig()
+
+    monitor: MonitorConfig = MonitorConfig()
+    """Weights & Biases and Prometheus (config/monitor.py). Under `slipstream rl` set once at the top level."""
 
     weights: WeightsConfig = WeightsConfig()
     """How the trainer publishes weights for inference (transport, buckets, rendezvous, retention). Under

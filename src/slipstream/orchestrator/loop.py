@@ -10,6 +10,7 @@ from itertools import groupby
 
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.envs.registry import build_env
+from slipstream.monitor.sinks import Monitors
 from slipstream.orchestrator.advantages import group_advantages
 from slipstream.orchestrator.batching import build_training_batches, write_training_batches
 from slipstream.orchestrator.client import InferenceClient
@@ -42,13 +43,18 @@ async def orchestrate(config: OrchestratorConfig) -> dict[str, float]:
         relay = WeightRelay(client, config)
         pipeline = RolloutPipeline(client, env, sampler, relay, config)
         start_step = await maybe_resume(pipeline, relay, config)
-        async with pipeline.running():
-            for step in range(start_step + 1, config.max_steps + 1):
-                rollouts, metrics = await pipeline.next_batch(step)
-                metrics.update(assign_advantages(step, rollouts, config))
-                maybe_checkpoint(step, pipeline, config)
-                write_step(step, rollouts, config, metrics)
-                print(progress_line(step, config.max_steps, metrics), flush=True)
+        monitors = Monitors(config, "orchestrator")
+        try:
+            async with pipeline.running():
+                for step in range(start_step + 1, config.max_steps + 1):
+                    rollouts, metrics = await pipeline.next_batch(step)
+                    metrics.update(assign_advantages(step, rollouts, config))
+                    maybe_checkpoint(step, pipeline, config)
+                    write_step(step, rollouts, config, metrics)
+                    print(progress_line(step, config.max_steps, metrics), flush=True)
+                    monitors.log(step, {**metrics, **pipeline.counters()})
+        finally:
+            monitors.close()
         summary = {**pipeline.counters(), "pipeline/abandoned_groups": float(pipeline.ledger.num_abandoned)}
         print(
             f"[orchestrator] done: {summary['pipeline/dispatched_groups']:.0f} groups started, "

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from slipstream.config.trainer import TrainerConfig
 from slipstream.monitor.metrics import MetricsWriter, format_progress, merge_metrics
+from slipstream.monitor.sinks import Monitors
 from slipstream.parallel.dist import barrier
 from slipstream.trainer.ckpt import committed_steps, save_checkpoint
 from slipstream.trainer.data import validate_batch
@@ -28,6 +29,7 @@ def run_trainer(config: TrainerConfig) -> None:
     """Train steps start_step + 1 .. max_steps; step N's weights are published as policy version N (by rank 0)."""
     trainer = setup_trainer(config)
     publisher = WeightPublisher(trainer, config)
+    monitors = Monitors(config, "trainer") if trainer.info.is_main else None
     try:
         writer = MetricsWriter(config.output_dir) if trainer.info.is_main else None
         nonfinite = NonFiniteGuard(config.max_nonfinite_steps)
@@ -60,9 +62,12 @@ def run_trainer(config: TrainerConfig) -> None:
                 # Before the checkpoint: a committed step always has its record (resume drops later records).
                 record = writer.write(step, merge_metrics(batch.metrics, metrics))
                 print(format_progress(step, config.max_steps, record), flush=True)
+                monitors.log(step, record)
             maybe_checkpoint(trainer, config, step)
         barrier()
     finally:
+        if monitors is not None:
+            monitors.close()
         publisher.close()
         teardown_trainer(trainer)
 
