@@ -1,7 +1,7 @@
 """Expert parallelism and context parallelism on CPU ranks (gloo) equal one process: loss and gradients after one
 step (<= 1e-5), weights after five steps (<= 1e-4). ep=2 and fsdp=2 x ep=2 train the MoE model with the tokens'
 all-to-all; cp=2 splits every packed row over two ranks that read one batch file (all-gathered K/V); ep=2 x cp=2
-(with activation checkpointing) does both on the same two ranks."""
+(with activation checkpointing) does both on the same two ranks. Families: qwen3_moe, qwen3 and glm4_moe."""
 
 import pytest
 import torch
@@ -28,6 +28,13 @@ CASES = {
         "qwen3_moe", 2, 1, ParallelConfig(ep=2, cp=2, activation_checkpointing=True), "dppo_tv"
     ),
     "qwen3_moe-fsdp2-ep2-replay": ("qwen3_moe", 4, 4, ParallelConfig(ep=2), "dppo_tv"),
+    # GLM-4.5 MoE (sigmoid group-limited routing with a selection bias, a shared expert, a dense first layer, partial
+    # RoPE): EP, CP (its attention is plain GQA: the all-gathered K/V path applies unchanged), both with replay.
+    "glm4_moe-ep2": ("glm4_moe", 2, 2, ParallelConfig(ep=2), "dppo_tv"),
+    "glm4_moe-cp2": ("glm4_moe", 2, 1, ParallelConfig(cp=2), "dppo_tv"),
+    "glm4_moe-ep2-cp2-ac-replay": (
+        "glm4_moe", 2, 1, ParallelConfig(ep=2, cp=2, activation_checkpointing=True), "dppo_tv"
+    ),
 }  # fmt: skip
 
 

@@ -3,6 +3,8 @@
 import argparse
 from pathlib import Path
 
+from slipstream.models.tiny import FAMILIES
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slipstream model", description="Model utilities.")
@@ -17,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     imp.add_argument("--force", action="store_true", help="re-import even if the folder exists")
     tiny = sub.add_parser("tiny", help="build a tiny random model with a locally trained tokenizer (for tests)")
-    tiny.add_argument("--family", choices=["llama", "qwen3", "qwen3_moe"], required=True)
+    tiny.add_argument("--family", choices=FAMILIES, required=True)
     tiny.add_argument("--out", type=Path, required=True, help="output folder")
     tiny.add_argument("--seed", type=int, default=0)
     return parser

@@ -10,6 +10,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from slipstream.models.glm4_moe import hf_adapter as glm4_moe_adapter
+from slipstream.models.glm4_moe.args import Glm4MoeArgs
+from slipstream.models.glm4_moe.model import Glm4Moe
 from slipstream.models.llama import hf_adapter as llama_adapter
 from slipstream.models.llama.args import LlamaArgs
 from slipstream.models.llama.model import Llama
@@ -41,6 +44,7 @@ MODEL_SPECS: dict[str, ModelSpec] = {
     "llama": ModelSpec(LlamaArgs.from_hf_config, Llama, llama_adapter.from_hf, llama_adapter.to_hf),
     "qwen3": ModelSpec(Qwen3Args.from_hf_config, Qwen3, qwen3_adapter.from_hf, qwen3_adapter.to_hf),
     "qwen3_moe": ModelSpec(Qwen3MoeArgs.from_hf_config, Qwen3Moe, qwen3_moe_adapter.from_hf, qwen3_moe_adapter.to_hf),
+    "glm4_moe": ModelSpec(Glm4MoeArgs.from_hf_config, Glm4Moe, glm4_moe_adapter.from_hf, glm4_moe_adapter.to_hf),
 }
 
 

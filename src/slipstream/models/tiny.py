@@ -1,4 +1,4 @@
-"""Tiny random models (llama, qwen3, qwen3_moe) with a locally trained byte-level BPE tokenizer, for tests.
+"""Tiny random models (llama, qwen3, qwen3_moe, glm4_moe) with a locally trained byte-level BPE tokenizer, for tests.
 
 Built in a few seconds, deterministic for a seed, saved as float32 safetensors that transformers and vLLM (CPU) load.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 from slipstream.models.hub import check_replaceable, finalize_model_dir
 from slipstream.utils.fs import commit_dir
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "glm4_moe")
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]  # ids 0, 1, 2
 MAX_POSITIONS = 2048
@@ -89,9 +89,11 @@ def build_tokenizer(vocab_size: int = 512):
 def build_config(family: str, vocab_size: int, eos_token_id: int, pad_token_id: int):
     """2 layers, hidden 128, 4 query / 2 KV heads of head_dim 64 (vLLM CPU attention supports 64); MoE: 8 experts, top 2.
 
-    llama ties its embeddings (like SmolLM2); qwen3 and qwen3_moe do not, so tests cover both layouts.
+    llama ties its embeddings (like SmolLM2); qwen3 and qwen3_moe do not, so tests cover both layouts. glm4_moe has
+    3 layers (a dense one, then 2 MoE layers, as the other MoE's 2) and GLM-4.5's features on: partial RoPE (0.5),
+    q/k/v biases, q/k norm, a shared expert, group-limited routing (4 groups of 2, top 2 groups), scaling 2.5.
     """
-    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import Glm4MoeConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -115,6 +117,14 @@ def build_config(family: str, vocab_size: int, eos_token_id: int, pad_token_id: 
     if family == "qwen3_moe":
         moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1)
         return Qwen3MoeConfig(**common, **moe, mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False)
+    if family == "glm4_moe":
+        common["num_hidden_layers"] = 3
+        moe = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1)
+        routing = dict(n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+        return Glm4MoeConfig(
+            **common, **moe, **routing, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
+            partial_rotary_factor=0.5, tie_word_embeddings=False, num_nextn_predict_layers=0,
+        )  # fmt: skip
     raise ValueError(f"unknown tiny model family '{family}' (known: {', '.join(FAMILIES)})")
 
 
@@ -142,6 +152,11 @@ def build_tiny_model(family: str, out_dir: Path, seed: int = 0, vocab_size: int 
     config = build_config(family, vocab_size, tokenizer.eos_token_id, tokenizer.pad_token_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family == "glm4_moe":  # transformers inits the selection-only router bias at 0: make it matter in tests
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buffer.normal_(0.0, 0.05)
     model.generation_config = GenerationConfig(
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )

@@ -85,7 +85,11 @@ class HFWeightStream:
                     self.converted[k], layout = [name for name, _ in saved], saved
             published += layout
         dtype_name = str(dtype).removeprefix("torch.")
-        self.metas_ = [TensorMeta(name, dtype_name, shape) for name, shape in published]
+        fp32 = keep_in_fp32(model)
+        self.metas_ = [
+            TensorMeta(name, "float32" if is_kept_in_fp32(name, fp32) else dtype_name, shape)
+            for name, shape in published
+        ]
 
     def metas(self) -> list[TensorMeta]:
         return list(self.metas_)
@@ -128,6 +132,18 @@ class HFWeightStream:
         if list(saved) != names:
             raise RuntimeError(f"transformers' reverse weight conversion changed: {list(saved)[:3]} vs {names[:3]}")
         return [Run([name], tensor, False) for name, tensor in saved.items()]
+
+
+def keep_in_fp32(model: nn.Module) -> tuple[str, ...]:
+    """Names of the tensors (or modules) the model keeps in float32 whatever its dtype: our family's `keep_in_fp32`,
+    or transformers' `_keep_in_fp32_modules_strict` (e.g. GLM-4.5's `e_score_correction_bias`)."""
+    return tuple(getattr(model, "keep_in_fp32", None) or getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+
+
+def is_kept_in_fp32(name: str, kept: tuple[str, ...]) -> bool:
+    """Whether tensor `name` (dotted) is, or lies in, one of the `kept` names."""
+    parts = name.split(".")
+    return any(k in parts for k in kept)
 
 
 def _checkpoint_layout(model: nn.Module, tensors: dict[str, Tensor]) -> list[tuple[str, tuple[int, ...]]]:

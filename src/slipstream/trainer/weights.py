@@ -142,8 +142,11 @@ def write_weights_folder(
 
 def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """`model` itself if its parameters are already `dtype`, else a copy whose parameters are cast to `dtype`
-    (tied parameters stay tied; buffers are copied as they are). The float32 masters are never copied in full:
-    each parameter is cast straight into the copy, so the extra memory is one model in `dtype`."""
+    (tied parameters stay tied; buffers are copied as they are; tensors the model keeps in float32 stay float32).
+    The float32 masters are never copied in full: each parameter is cast straight into the copy, so the extra
+    memory is one model in `dtype`."""
+    from slipstream.trainer.weight_export import is_kept_in_fp32, keep_in_fp32
+
     params = list(model.parameters())
     if all(p.dtype == dtype for p in params):
         return model
@@ -152,7 +155,11 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
         # of an autograd graph (deepcopy refuses those); checkpoint wrappers are left out of the copy too.
         with torch.device("meta"):
             copy_ = type(model)(model.args)
-        state_dict = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
+        kept = keep_in_fp32(model)
+        state_dict = {
+            k: v.detach().to(torch.float32 if is_kept_in_fp32(k, kept) else dtype)
+            for k, v in model.state_dict().items()
+        }
         copy_.load_state_dict(state_dict, strict=True, assign=True)
         return copy_
     # deepcopy takes objects already in its memo as their copies: pre-seed it with the cast parameters.

@@ -53,8 +53,9 @@ def check_supported(cfg: Any) -> None:
         raise ValueError("sliding-window attention is not supported by the custom models; use impl='hf'")
 
 
-def transformer_fields_from_hf(cfg: Any, *, qk_norm: bool) -> dict[str, Any]:
-    """Keyword arguments of TransformerArgs read from a transformers config (4.x or 5.x)."""
+def transformer_fields_from_hf(cfg: Any, *, qk_norm: bool, allow_partial_rotary: bool = False) -> dict[str, Any]:
+    """Keyword arguments of TransformerArgs read from a transformers config (4.x or 5.x); partial RoPE only for the
+    families that model it (`allow_partial_rotary`, see common/rope.py)."""
     check_supported(cfg)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return dict(
@@ -66,7 +67,7 @@ def transformer_fields_from_hf(cfg: Any, *, qk_norm: bool) -> dict[str, Any]:
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
         head_dim=head_dim,
         rms_norm_eps=cfg.rms_norm_eps,
-        rope=rope_args_from_hf(cfg),
+        rope=rope_args_from_hf(cfg, allow_partial_rotary=allow_partial_rotary),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         attention_bias=bool(getattr(cfg, "attention_bias", False)),
         mlp_bias=bool(getattr(cfg, "mlp_bias", False)),

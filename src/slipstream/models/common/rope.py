@@ -1,6 +1,7 @@
-"""Rotary position embeddings (default, linear and llama3 scaling), matching transformers' numerics.
+"""Rotary position embeddings (default, linear and llama3 scaling; optionally partial: only the first dims of each
+head rotate), matching transformers' numerics.
 
-Legend: B = rows, T = tokens per row, H = heads, K = head dim.
+Legend: B = rows, T = tokens per row, H = heads, K = head dim, R = rotated dims of a head (K unless partial).
 """
 
 import math
@@ -29,21 +30,35 @@ class RopeArgs:
     """llama3 only."""
     original_max_position_embeddings: int = 8192
     """llama3 only: context length of pre-training."""
+    partial_rotary_factor: float = 1.0
+    """Fraction of each head's dims that rotate (GLM-4.5: 0.5): the first R = int(K * factor) dims rotate, with
+    frequencies of an R-dim RoPE; the others pass through. Only families that opt in read it from the config."""
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """R: the rotated dims of a head of `head_dim` dims (transformers' `int(head_dim * partial_rotary_factor)`)."""
+        return int(head_dim * self.partial_rotary_factor)
 
 
-def rope_args_from_hf(cfg) -> RopeArgs:
-    """Read RoPE settings from a transformers config (5.x `rope_parameters`, or 4.x `rope_theta`/`rope_scaling`)."""
+def rope_args_from_hf(cfg, *, allow_partial_rotary: bool = False) -> RopeArgs:
+    """Read RoPE settings from a transformers config (5.x `rope_parameters`, or 4.x `rope_theta`/`rope_scaling`).
+    `partial_rotary_factor` (in `rope_parameters`, or top-level in 4.x configs) is rejected unless the family
+    supports it (`allow_partial_rotary`)."""
     params = dict(getattr(cfg, "rope_parameters", None) or {})
     if not params:
         params = {"rope_theta": cfg.rope_theta, **(getattr(cfg, "rope_scaling", None) or {})}
+    partial_rotary_factor = float(
+        params.get("partial_rotary_factor") or getattr(cfg, "partial_rotary_factor", None) or 1.0
+    )
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"rope_type '{rope_type}' is not supported by the custom models ({SUPPORTED_ROPE_TYPES}); use impl='hf'"
         )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
+    if partial_rotary_factor != 1.0 and not allow_partial_rotary:
         raise ValueError("partial_rotary_factor != 1 is not supported by the custom models; use impl='hf'")
     kwargs = {"theta": float(params["rope_theta"]), "rope_type": rope_type}
+    if partial_rotary_factor != 1.0:
+        kwargs["partial_rotary_factor"] = partial_rotary_factor
     if rope_type in ("linear", "llama3"):
         kwargs["factor"] = float(params["factor"])
     if rope_type == "llama3":
@@ -56,11 +71,12 @@ def rope_args_from_hf(cfg) -> RopeArgs:
 
 @lru_cache(maxsize=16)
 def rope_inv_freq(rope: RopeArgs, head_dim: int) -> Tensor:
-    """Inverse frequencies [K/2], float32, computed on CPU exactly as transformers does (then moved by the caller).
+    """Inverse frequencies [R/2], float32, computed on CPU exactly as transformers does (then moved by the caller).
 
     Computed on the fly (no module buffer) so models built on the meta device need no re-initialisation.
     """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float) / head_dim
+    dim = rope.rotary_dim(head_dim)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float) / dim
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         inv_freq = inv_freq / rope.factor
@@ -83,7 +99,7 @@ def _llama3_scale(inv_freq: Tensor, rope: RopeArgs) -> Tensor:
 
 
 def rope_cos_sin(rope: RopeArgs, head_dim: int, position_ids_BT: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(cos_BTK, sin_BTK) for the given positions, computed in float32 and cast to `dtype`."""
+    """(cos_BTR, sin_BTR) for the given positions, computed in float32 and cast to `dtype` (R = K unless partial)."""
     inv_freq = rope_inv_freq(rope, head_dim).to(position_ids_BT.device)
     freqs_BTk = position_ids_BT[..., None].float() * inv_freq
     angles_BTK = torch.cat((freqs_BTk, freqs_BTk), dim=-1)
@@ -95,8 +111,13 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x_BTHK: Tensor, cos_BTK: Tensor, sin_BTK: Tensor) -> Tensor:
+def apply_rope(x_BTHK: Tensor, cos_BTR: Tensor, sin_BTR: Tensor) -> Tensor:
     """Rotate query or key heads (HF's half-split convention, not interleaved pairs); heads stay in dim 2, the layout
-    the projections produce and varlen attention consumes."""
-    cos_BT1K, sin_BT1K = cos_BTK.unsqueeze(2), sin_BTK.unsqueeze(2)
+    the projections produce and varlen attention consumes. Partial RoPE (R < K): the first R dims of each head
+    rotate (half-split within them) and the last K - R pass through, as transformers does."""
+    rotary_dim = cos_BTR.shape[-1]
+    if rotary_dim < x_BTHK.shape[-1]:
+        x_BTHR, x_pass = x_BTHK[..., :rotary_dim], x_BTHK[..., rotary_dim:]
+        return torch.cat((apply_rope(x_BTHR, cos_BTR, sin_BTR), x_pass), dim=-1)
+    cos_BT1K, sin_BT1K = cos_BTR.unsqueeze(2), sin_BTR.unsqueeze(2)
     return x_BTHK * cos_BT1K + _rotate_half(x_BTHK) * sin_BT1K

@@ -1,0 +1,66 @@
+"""GLM-4.5 MoE as a plain nn.Module over packed rows (samples separated by position_ids restarting at 0).
+
+Legend: B = rows, T = tokens per row, D = hidden size, V = vocabulary, L = MoE layers, H = query heads, K = head dim.
+"""
+
+from torch import Tensor, nn
+
+from slipstream.models.common.mlp import SwiGLU
+from slipstream.models.common.moe import MoE, MoEStats, collect_moe_stats
+from slipstream.models.common.moe_routing import SharedExpertMoE
+from slipstream.models.common.transformer import DecoderLM, MoETransformerBlock, TransformerBlock
+from slipstream.models.glm4_moe.args import Glm4MoeArgs
+
+
+def build_block(args: Glm4MoeArgs, layer: int) -> nn.Module:
+    if args.is_moe_layer(layer):
+        moe = SharedExpertMoE(
+            args.hidden_size,
+            args.moe_intermediate_size,
+            args.num_experts,
+            args.num_experts_per_tok,
+            args.norm_topk_prob,
+            shared_hidden_dim=args.moe_intermediate_size * args.n_shared_experts,
+            num_groups=args.n_group,
+            topk_groups=args.topk_group,
+            routed_scaling_factor=args.routed_scaling_factor,
+        )
+        block = MoETransformerBlock(args, moe)
+    else:
+        block = TransformerBlock(args, SwiGLU(args.hidden_size, args.intermediate_size))
+    if args.attention_bias:  # GLM: biases on q/k/v only, never on the output projection
+        block.attn.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=False)
+    return block
+
+
+class Glm4Moe(DecoderLM):
+    """GLM-4.5 blocks: attention (partial RoPE, q/k/v biases, optional q/k norm), a dense SwiGLU on the first
+    `first_k_dense_replace` layers, then `layers.{i}.mlp` = SharedExpertMoE: `router` (sigmoid, group-limited, with
+    the `e_score_correction_bias` buffer), `experts` (stacked [E, ...] weights) and `shared_experts` (dense SwiGLU).
+
+    API (from DecoderLM): `forward_hidden`, `forward_hidden_with_aux_loss`, `lm_head_weight`, `logits`, `forward`
+    (router replay through `replay_BTRA`, see common/moe_routing.py); plus `forward_with_aux_loss`, `moe_stats()` and
+    `set_grouped_mm` as Qwen3Moe.
+    """
+
+    keep_in_fp32 = ("e_score_correction_bias",)
+    """Tensors published (and cast for the probe) in float32 whatever the published dtype, as transformers keeps
+    them (`_keep_in_fp32_modules_strict`): a rounded selection bias would route differently in inference."""
+
+    def __init__(self, args: Glm4MoeArgs):
+        super().__init__(args, [build_block(args, i) for i in range(args.num_layers)])
+
+    def forward_with_aux_loss(self, input_ids_BT: Tensor, position_ids_BT: Tensor) -> tuple[Tensor, Tensor]:
+        """(logits_BTV, aux_loss_L) for a packed batch (the model never adds the aux loss to anything)."""
+        h_BTD, aux_loss_L = self.forward_hidden_with_aux_loss(input_ids_BT, position_ids_BT)
+        return self.logits(h_BTD), aux_loss_L
+
+    def moe_stats(self) -> MoEStats:
+        """tokens_per_expert_LE, router_prob_mean_LE, aux_loss_L of the last forward (detached; common/moe.py)."""
+        return collect_moe_stats(self)
+
+    def set_grouped_mm(self, enabled: bool) -> None:
+        """Choose torch._grouped_mm (True, the default) or the per-expert loop (False) for every MoE layer."""
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.experts.use_grouped_mm = enabled
