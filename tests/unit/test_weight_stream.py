@@ -164,3 +164,38 @@ def test_a_layer_spanning_more_buckets_than_slots_is_sent_as_it_goes():
 
     stream_to(Stream(), Manifest(1, tuple(buckets)), [Sink()], BucketBuffers(num_slots=2))
     assert got == values.tolist()
+
+
+def test_each_dtype_has_its_own_ring_of_slots():
+    """A bf16 model with a few float32 tensors (GLM's selection bias): buckets of both dtypes interleave, each dtype
+    reuses at most num_slots buffers (never one per bucket), and every value arrives."""
+    metas = []
+    for k in range(6):
+        metas += [_meta(f"l{k}.w", "bfloat16", 8), _meta(f"l{k}.bias", "float32", 2)]
+    buckets = plan_buckets(metas, bucket_bytes=16)  # one bf16 tensor, two fp32 tensors a bucket
+    assert {b.dtype for b in buckets} == {"bfloat16", "float32"} and len(buckets) == 9
+    values = {m.name: torch.randn(m.shape) for m in metas}
+
+    class Stream:
+        def layers(self):
+            for k in range(6):
+                yield [Run([f"l{k}.w"], values[f"l{k}.w"], False), Run([f"l{k}.bias"], values[f"l{k}.bias"], False)]
+
+    got: dict[str, torch.Tensor] = {}
+    pointers: dict[str, set[int]] = {"bfloat16": set(), "float32": set()}
+
+    class Sink:
+        def send(self, index, bucket, flat):
+            pointers[bucket.dtype].add(flat.data_ptr())
+            got.update({n: t.clone() for n, t in unpack(flat, bucket)})
+
+        def close(self):
+            pass
+
+    buffers = BucketBuffers(num_slots=2)
+    for _ in range(2):  # the second version reuses the first one's buffers
+        stream_to(Stream(), Manifest(1, tuple(buckets)), [Sink()], buffers)
+    assert len(pointers["bfloat16"]) == 2 and len(pointers["float32"]) == 2
+    for name, value in values.items():
+        want = value if name.endswith("bias") else value.bfloat16()
+        assert torch.equal(got[name], want), name

@@ -93,18 +93,40 @@ class Manifest:
 
     @staticmethod
     def from_dict(data: dict) -> "Manifest":
-        if data.get("version") != MANIFEST_VERSION:
-            raise ValueError(
-                f"weight manifest version {data.get('version')!r}; this Slipstream reads {MANIFEST_VERSION}"
-            )
-        buckets = tuple(
-            Bucket(b["dtype"], tuple(TensorMeta(name, b["dtype"], tuple(shape)) for name, shape in b["tensors"]))
-            for b in data["buckets"]
-        )
-        return Manifest(int(data["step"]), buckets)
+        """Parse and validate a manifest; anything malformed raises ValueError naming the field."""
+        if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION:
+            version = data.get("version") if isinstance(data, dict) else data
+            raise ValueError(f"weight manifest version {version!r}; this Slipstream reads {MANIFEST_VERSION}")
+        step, buckets = data.get("step"), data.get("buckets")
+        if not _is_int(step) or step < 0:
+            raise ValueError(f"weight manifest: 'step' must be an integer >= 0, got {step!r}")
+        if not isinstance(buckets, list):
+            raise ValueError(f"weight manifest: 'buckets' must be a list, got {buckets!r:.200}")
+        return Manifest(step, tuple(_parse_bucket(b, i) for i, b in enumerate(buckets)))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_bucket(data: object, index: int) -> Bucket:
+    """One bucket of a manifest's JSON: {"dtype": name, "tensors": [[name, shape], ...]}."""
+    where = f"weight manifest: buckets[{index}]"
+    if not isinstance(data, dict) or not isinstance(data.get("tensors"), list):
+        raise ValueError(f"{where} must be an object with 'dtype' and a 'tensors' list, got {data!r:.200}")
+    dtype = data.get("dtype")
+    if not isinstance(dtype, str) or not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ValueError(f"{where}: 'dtype' must name a torch dtype (e.g. 'bfloat16'), got {dtype!r:.100}")
+    tensors = []
+    for j, entry in enumerate(data["tensors"]):
+        ok = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and isinstance(entry[1], list)
+        if not ok or not all(_is_int(size) and size >= 0 for size in entry[1]):
+            raise ValueError(f"{where}.tensors[{j}] must be [name, [sizes >= 0]], got {entry!r:.200}")
+        tensors.append(TensorMeta(entry[0], dtype, tuple(entry[1])))
+    return Bucket(dtype, tuple(tensors))
 
 
 def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> list[Bucket]:
@@ -163,53 +185,69 @@ class BucketSink(Protocol):
 
 class BucketBuffers:
     """The flat buffers a sender assembles buckets in, kept from one version to the next (the plan is the same every
-    step): with one dtype, buckets open and complete in plan order and bucket i is written into slot i % slots once
-    the bucket that used the slot before has been sent; with several dtypes (buckets open side by side) every
-    bucket has its own slot. The typed views of the tensors inside each bucket are made once per plan, so assembling
-    a layer costs one fused copy, not a view, a cast and a concatenation per tensor."""
+    step). Each dtype has its own ring of up to `num_slots` buffers: the buckets of one dtype open and complete one
+    after the other (plan_buckets), so the k-th bucket of a dtype is written into slot k % slots of its ring once the
+    bucket that used the slot before has been sent. Memory: at most `num_slots` buckets per dtype, whatever the model
+    size. The typed views of the tensors inside each bucket are made once per plan, so assembling a layer costs one
+    fused copy, not a view, a cast and a concatenation per tensor."""
 
     def __init__(self, num_slots: int = 3) -> None:
         if num_slots < 2:
             raise ValueError(f"num_slots must be >= 2 (one filling while one is sent), got {num_slots}")
         self.num_slots = num_slots
         self.buckets: tuple[Bucket, ...] | None = None
-        self.slots: list[torch.Tensor] = []
+        self.slots: dict[str, list[torch.Tensor]] = {}
         self.offsets: list[list[int]] = []
+        self.ring: list[tuple[str, int]] = []
+        """Per bucket: (its dtype, its place among that dtype's buckets)."""
+        self.ring_size: dict[str, int] = {}
+        self.bucket_at: dict[tuple[str, int], int] = {}
         self.views: dict[tuple[int, int, int, bool], torch.Tensor] = {}
         self.cond = threading.Condition()
-        self.released = 0
+        self.released: set[int] = set()
 
     def start(self, buckets: tuple[Bucket, ...]) -> None:
         """Begin a version sent with this plan (buffers and views are kept when the plan did not change)."""
         if buckets != self.buckets:
-            self.buckets, self.slots, self.views = buckets, [], {}
+            self.buckets, self.slots, self.views = buckets, {}, {}
             self.offsets = [list(itertools.accumulate((t.nbytes for t in b.tensors), initial=0)) for b in buckets]
+            counts: dict[str, int] = {}
+            self.ring = []
+            for bucket in buckets:
+                self.ring.append((bucket.dtype, counts.get(bucket.dtype, 0)))
+                counts[bucket.dtype] = counts.get(bucket.dtype, 0) + 1
+            self.ring_size = {dtype: min(self.num_slots, n) for dtype, n in counts.items()}
+            self.bucket_at = {place: index for index, place in enumerate(self.ring)}
         with self.cond:
-            self.released = 0
+            self.released = set()
 
-    def _slot(self, index: int) -> int:
-        return index % len(self.slots)
+    def _slot(self, index: int) -> torch.Tensor:
+        dtype, k = self.ring[index]
+        return self.slots[dtype][k % self.ring_size[dtype]]
 
     def acquire(self, index: int, device: torch.device) -> None:
-        """Wait until bucket `index` may be written (its slot's previous bucket was released)."""
+        """Wait until bucket `index` may be written (the bucket that used its slot before was released)."""
         assert self.buckets is not None
-        if not self.slots:
-            one_dtype = len({b.dtype for b in self.buckets}) == 1
-            count = min(self.num_slots, len(self.buckets)) if one_dtype else len(self.buckets)
-            size = max(b.nbytes for b in self.buckets)
-            self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(count)]
-        with self.cond:
-            self.cond.wait_for(lambda: self.released >= index - len(self.slots) + 1)
+        dtype, k = self.ring[index]
+        if dtype not in self.slots:
+            size = max(b.nbytes for b in self.buckets if b.dtype == dtype)
+            self.slots[dtype] = [
+                torch.empty(size, dtype=torch.uint8, device=device) for _ in range(self.ring_size[dtype])
+            ]
+        if k >= self.ring_size[dtype]:
+            before = self.bucket_at[(dtype, k - self.ring_size[dtype])]
+            with self.cond:
+                self.cond.wait_for(lambda: before in self.released)
 
     def release(self, index: int) -> None:
-        """Bucket `index` was sent (buckets are released in plan order)."""
+        """Bucket `index` was sent."""
         with self.cond:
-            self.released = max(self.released, index + 1)
+            self.released.add(index)
             self.cond.notify_all()
 
     def flat(self, index: int) -> torch.Tensor:
         assert self.buckets is not None
-        return self.slots[self._slot(index)][: self.buckets[index].nbytes]
+        return self._slot(index)[: self.buckets[index].nbytes]
 
     def view(self, index: int, position: int, count: int, stacked: bool) -> torch.Tensor:
         """Tensors `position .. position + count` of bucket `index`, typed and shaped ([count, *shape] if stacked)."""
@@ -220,9 +258,7 @@ class BucketBuffers:
             meta = self.buckets[index].tensors[position]
             start, end = self.offsets[index][position], self.offsets[index][position + count]
             shape = (count, *meta.shape) if stacked else meta.shape
-            view = self.views[key] = (
-                self.slots[self._slot(index)][start:end].view(getattr(torch, meta.dtype)).view(shape)
-            )
+            view = self.views[key] = self._slot(index)[start:end].view(getattr(torch, meta.dtype)).view(shape)
         return view
 
 
