@@ -46,8 +46,9 @@ def test_three_steps_with_verified_weight_updates(family, tiny_model_factory, tm
 
     checks = _read_jsonl(out / "weight_checks.jsonl")
     steps = [c["step"] for c in checks]
-    # the orchestrator loads the newest published weights (it may skip one), and ends serving the final policy
-    assert steps == sorted(set(steps)) and steps[0] == 1 and steps[-1] == 3, steps
+    # the orchestrator loads the newest published weights (it may skip one: a fast trainer can publish step 2 before
+    # step 1 is loaded), and ends serving the final policy
+    assert steps == sorted(set(steps)) and steps[0] in (1, 2) and steps[-1] == 3 and len(steps) >= 2, steps
     previous = None
     for check in checks:
         assert check["passed"] and check["max_abs_diff"] <= LOGPROB_TOLERANCE, check
