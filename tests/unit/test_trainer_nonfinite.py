@@ -1,7 +1,6 @@
 """NaN/inf gradients: the step is skipped (weights and Adam state untouched) and counted; N in a row stop the run."""
 
 import json
-import math
 
 import pytest
 import torch
@@ -11,6 +10,9 @@ from slipstream.config.trainer import TrainerConfig
 from slipstream.trainer.rl import run_trainer
 from slipstream.transport.rollouts import MicroBatch, TrainingBatch, write_batch
 from slipstream.transport.weights import weights_dir
+
+HUGE = 3e38
+"""A float32 advantage whose gradients' squared norm overflows to inf."""
 
 
 def _batch(step: int, advantage: float) -> TrainingBatch:
@@ -39,7 +41,8 @@ def _config(model_dir, out, max_steps, limit):
 
 
 def test_nan_step_is_skipped_and_counted(tiny_qwen3_dir, tmp_path):
-    for step, adv in ((1, 1.0), (2, math.nan), (3, 1.0)):
+    # A finite but huge advantage overflows the gradients' norm (non-finite inputs are refused by to_packed).
+    for step, adv in ((1, 1.0), (2, HUGE), (3, 1.0)):
         write_batch(tmp_path, _batch(step, adv))
     run_trainer(_config(tiny_qwen3_dir, tmp_path, max_steps=3, limit=2))
 
@@ -54,6 +57,6 @@ def test_nan_step_is_skipped_and_counted(tiny_qwen3_dir, tmp_path):
 
 def test_too_many_nonfinite_steps_in_a_row_stop_the_trainer(tiny_qwen3_dir, tmp_path):
     for step in (1, 2):
-        write_batch(tmp_path, _batch(step, math.inf))
+        write_batch(tmp_path, _batch(step, HUGE))
     with pytest.raises(FloatingPointError, match=r"2 steps in a row .*\(trainer\.max_nonfinite_steps = 2\)"):
         run_trainer(_config(tiny_qwen3_dir, tmp_path, max_steps=3, limit=2))

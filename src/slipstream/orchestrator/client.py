@@ -13,6 +13,7 @@ weights on the server (weights.py) and calls `mark_available()`.
 
 import asyncio
 import json
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -145,7 +146,7 @@ class InferenceClient:
             raise self._unavailable(f"{where} returned HTTP {response.status_code}: {response.text[:500]}")
         if response.status_code != 200:
             raise request_error(f"{self.base_url}{path}", response.status_code, response.text)
-        return response.json() if response.content else None
+        return _json_reply(response, where) if response.content else None
 
     async def get_text(self, path: str) -> str:
         """GET a text resource (e.g. /metrics); errors name the call and the reply."""
@@ -265,7 +266,11 @@ class InferenceClient:
             raise self._unavailable(f"{where} returned HTTP {response.status_code}: {response.text[:500]}")
         if response.status_code != 200:
             raise InferenceError(f"{where} returned HTTP {response.status_code}: {response.text[:500]}")
-        return int(response.json()["world_size"])
+        reply = _json_reply(response, where)
+        world_size = reply.get("world_size") if isinstance(reply, dict) else None
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise InferenceError(f"{where}: reply has no integer world_size >= 1: {response.text[:300]}")
+        return world_size
 
     async def load_weights(
         self,
@@ -304,6 +309,13 @@ class InferenceClient:
         )
 
 
+def _json_reply(response: httpx.Response, where: str) -> Any:
+    try:
+        return response.json()
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested too deep
+        raise InferenceError(f"{where}: the reply is not JSON ({e}): {response.text[:300]!r}") from e
+
+
 class _ServerErrorChunk(InferenceError):
     """A mid-stream error chunk with a 5xx code (the stream's client turns it into InferenceUnavailable)."""
 
@@ -332,8 +344,10 @@ async def _sse_chunks(response: httpx.Response, where: str) -> AsyncIterator[dic
             return
         try:
             chunk = json.loads(data)
-        except json.JSONDecodeError as e:
+        except (ValueError, RecursionError) as e:
             raise InferenceError(f"{where}: undecodable stream chunk {data[:300]!r}") from e
+        if not isinstance(chunk, dict):
+            raise InferenceError(f"{where}: stream chunk is not a JSON object: {data[:300]!r}")
         if "error" in chunk:
             error = chunk["error"]
             code = error.get("code") if isinstance(error, dict) else None
@@ -349,14 +363,17 @@ def parse_prompt_logprobs(reply: dict, token_ids: list[int], where: str) -> list
         entries = reply["choices"][0]["prompt_logprobs"]
     except (KeyError, IndexError, TypeError) as e:
         raise InferenceError(f"{where}: reply has no choices[0].prompt_logprobs: {str(reply)[:500]}") from e
-    if entries is None or len(entries) != len(token_ids):
-        got = None if entries is None else len(entries)
+    if not isinstance(entries, list) or len(entries) != len(token_ids):
+        got = len(entries) if isinstance(entries, list) else repr(entries)[:100]
         raise InferenceError(f"{where}: {got} prompt_logprobs entries for a prompt of {len(token_ids)} tokens")
     logprobs = []
     for i in range(1, len(token_ids)):
         entry = entries[i] or {}
-        picked = entry.get(str(token_ids[i]))
+        picked = entry.get(str(token_ids[i])) if isinstance(entry, dict) else None
         if picked is None:
-            raise InferenceError(f"{where}: prompt_logprobs[{i}] lacks the prompt token {token_ids[i]}: {entry!r}")
-        logprobs.append(float(picked["logprob"]))
+            raise InferenceError(f"{where}: prompt_logprobs[{i}] lacks the prompt token {token_ids[i]}: {entry!r:.300}")
+        logprob = picked.get("logprob") if isinstance(picked, dict) else None
+        if not isinstance(logprob, int | float) or isinstance(logprob, bool) or not math.isfinite(logprob):
+            raise InferenceError(f"{where}: prompt_logprobs[{i}] has no finite 'logprob': {picked!r:.300}")
+        logprobs.append(float(logprob))
     return logprobs

@@ -7,6 +7,7 @@ Completion text is used only for rewards; training tokens are never re-tokenized
 
 import asyncio
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -132,28 +133,46 @@ def parse_chat_response(
     their absence an error (the rollout pipeline, which updates weights mid-request). `require_routed_experts`
     (router replay) makes a choice without `routed_experts` an error.
     """
+    if not isinstance(reply, dict):
+        raise InferenceError(f"task {task.id}: chat reply is not a JSON object: {reply!r:.300}")
     prompt_ids = reply.get("prompt_token_ids")
     choices = reply.get("choices") or []
     if not prompt_ids:
         raise InferenceError(
             f"task {task.id}: chat reply lacks prompt_token_ids; the request must set return_token_ids"
         )
-    if len(choices) != n:
-        raise InferenceError(f"task {task.id}: asked for {n} completions, got {len(choices)}")
+    if not _is_token_ids(prompt_ids):
+        raise InferenceError(f"task {task.id}: chat reply's prompt_token_ids are not token ids: {prompt_ids!r:.300}")
+    if not isinstance(choices, list) or len(choices) != n:
+        got = len(choices) if isinstance(choices, list) else repr(choices)[:100]
+        raise InferenceError(f"task {task.id}: asked for {n} completions, got {got}")
+    if not all(isinstance(c, dict) and _is_int(c.get("index")) for c in choices):
+        raise InferenceError(f"task {task.id}: chat reply has a choice without an integer index: {choices!r:.300}")
     rollouts = []
     for choice in sorted(choices, key=lambda c: c["index"]):
         token_ids = choice.get("token_ids")
-        content = (choice.get("logprobs") or {}).get("content")
+        logprobs_field = choice.get("logprobs")
+        content = logprobs_field.get("content") if isinstance(logprobs_field, dict) else None
         if token_ids is None or content is None:
             raise InferenceError(
                 f"task {task.id}: choice {choice['index']} lacks token_ids or logprobs.content "
                 "(a reasoning parser with include_reasoning=false hides token ids; keep include_reasoning on)"
             )
+        if not _is_token_ids(token_ids) or not isinstance(content, list):
+            raise InferenceError(
+                f"task {task.id}: choice {choice['index']} has token_ids or logprobs.content that are not lists of "
+                f"token ids and log-prob entries: {choice!r:.300}"
+            )
         if len(token_ids) != len(content):
             raise InferenceError(
                 f"task {task.id}: choice {choice['index']} has {len(token_ids)} token ids but {len(content)} logprobs"
             )
-        logprobs = [float(entry["logprob"]) for entry in content]
+        logprobs = [entry.get("logprob") if isinstance(entry, dict) else None for entry in content]
+        if not all(isinstance(lp, int | float) and not isinstance(lp, bool) and math.isfinite(lp) for lp in logprobs):
+            raise InferenceError(
+                f"task {task.id}: choice {choice['index']} has logprobs.content entries without a finite 'logprob'"
+            )
+        logprobs = [float(lp) for lp in logprobs]
         if any(lp <= MISSING_LOGPROB for lp in logprobs):
             raise InferenceError(f"task {task.id}: choice {choice['index']} has tokens without a log-prob from vLLM")
         versions = _token_versions(choice, task, len(token_ids), policy_version, require_token_versions)
@@ -165,19 +184,36 @@ def parse_chat_response(
                 prompt_token_ids=list(prompt_ids),
                 completion_token_ids=list(token_ids),
                 completion_logprobs=logprobs,
-                completion_text=message.get("content") or "",
+                completion_text=_text(message.get("content") if isinstance(message, dict) else None),
                 token_versions=versions,
                 request_version=policy_version,
-                finish_reason=choice.get("finish_reason"),
+                finish_reason=_text(choice.get("finish_reason")) or None,
                 routed_experts=routed,
             )
         )
     return rollouts
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, list) and all(_is_int(t) and 0 <= t < 2**63 for t in value)
+
+
+def _text(value: object) -> str:
+    """A reply's text field: "" when absent (None); anything but a string is not text."""
+    if value is not None and not isinstance(value, str):
+        raise InferenceError(f"chat reply has {value!r:.100} where a string or null belongs")
+    return value or ""
+
+
 def _routed_experts(choice: dict, task: Task, num_tokens: int, required: bool) -> "np.ndarray | None":
     encoded = choice.get("routed_experts")
     where = f"task {task.id}: choice {choice['index']}"
+    if encoded is not None and not isinstance(encoded, str):
+        raise InferenceError(f"{where}: routed_experts is not base64 text: {encoded!r:.100}")
     if encoded is None:
         if required:
             raise InferenceError(
@@ -203,6 +239,8 @@ def _token_versions(choice: dict, task: Task, num_tokens: int, policy_version: i
                 "= 'reply' needs a server that reports them (the simulated server); use 'stream' with vLLM"
             )
         return [policy_version] * num_tokens
+    if not isinstance(versions, list) or not all(_is_int(v) for v in versions):
+        raise InferenceError(f"task {task.id}: choice {choice['index']} has token_versions that are not integers")
     if len(versions) != num_tokens or any(v < policy_version for v in versions):
         raise InferenceError(
             f"task {task.id}: choice {choice['index']} has token_versions {versions} for {num_tokens} tokens of a "

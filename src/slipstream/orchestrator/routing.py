@@ -29,7 +29,7 @@ def decode_routed_experts(encoded: str, where: str) -> np.ndarray:
     """vLLM's base64 `.npy` routed experts -> a [tokens, moe_layers, top_k] array in a compact unsigned dtype."""
     try:
         array = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
-    except (binascii.Error, ValueError, OSError) as e:
+    except (binascii.Error, ValueError, OSError, EOFError) as e:  # EOFError: empty data
         raise ValueError(f"{where}: routed_experts is not base64 .npy data ({e})") from e
     if array.ndim != 3 or not np.issubdtype(array.dtype, np.integer):
         raise ValueError(f"{where}: routed_experts must be a 3-d integer array, got {array.dtype}{list(array.shape)}")

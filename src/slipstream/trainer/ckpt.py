@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from slipstream.parallel.dist import RankInfo, barrier
 from slipstream.rundir import COMMITTED, TRAINER_PART, RunDir, step_dirs
 from slipstream.transport.checkpoints import committed_run_steps
+from slipstream.transport.weights import read_marker
 from slipstream.utils.fs import atomic_write_text, commit_dir
 
 CKPT_FORMAT_VERSION = 1
@@ -99,7 +100,7 @@ def load_checkpoint(
     """Collective: load the committed checkpoint of `expected.step` into `policy` and `optimizer` (resharded to
     this run's ranks) and restore this rank's RNG state."""
     path = checkpoint_dir(output_dir, expected.step)
-    progress = json.loads((path / PROGRESS).read_text())
+    progress = read_progress(path / PROGRESS)
     saved = CheckpointMeta(progress["step"], progress["model_type"], progress["impl"])
     if progress["format_version"] != CKPT_FORMAT_VERSION or saved != expected:
         raise ValueError(
@@ -117,6 +118,12 @@ def load_checkpoint(
     else:
         # Written with fewer ranks: this rank had no RNG stream (training draws no random numbers today).
         print(f"rank {info.rank}: {rng_path} does not exist (checkpoint of {progress['world_size']} ranks); RNG kept")
+
+
+def read_progress(path: Path) -> dict:
+    """A checkpoint's progress.json, checked for the fields load_checkpoint compares (ValueError naming the file)."""
+    fields = {"format_version": int, "world_size": int, "step": int, "model_type": str, "impl": str}
+    return read_marker(path, fields)
 
 
 @contextmanager

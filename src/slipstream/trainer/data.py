@@ -4,7 +4,7 @@ Legend: T = tokens of a packed micro-batch, B = trees (one per padded row; a pla
 branches), L = longest tree, D = hidden, E = tokens with every tree written out as its samples.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -58,15 +58,22 @@ def to_packed(mb: MicroBatch, device: torch.device) -> PackedMicroBatch:
     """Convert and validate one micro-batch (sample starts, positions, temperatures, loss at sample starts)."""
     if not mb.input_ids:
         raise MicroBatchError("empty micro-batch: the orchestrator must not emit micro-batches without tokens")
-    packed = PackedMicroBatch(
-        input_ids_T=torch.tensor(mb.input_ids, dtype=torch.long, device=device),
-        position_ids_T=torch.tensor(mb.position_ids, dtype=torch.long, device=device),
-        loss_mask_T=torch.tensor(mb.loss_mask, dtype=torch.bool, device=device),
-        advantages_T=torch.tensor(mb.advantages, dtype=torch.float32, device=device),
-        inference_logprobs_T=torch.tensor(mb.inference_logprobs, dtype=torch.float32, device=device),
-        temperatures_T=torch.tensor(mb.temperatures, dtype=torch.float32, device=device),
-        replay_TRA=None if mb.routing is None else routing_tensor(mb.routing, len(mb.input_ids), device),
-    )
+    try:
+        packed = PackedMicroBatch(
+            input_ids_T=torch.tensor(mb.input_ids, dtype=torch.long, device=device),
+            position_ids_T=torch.tensor(mb.position_ids, dtype=torch.long, device=device),
+            loss_mask_T=torch.tensor(mb.loss_mask, dtype=torch.bool, device=device),
+            advantages_T=torch.tensor(mb.advantages, dtype=torch.float32, device=device),
+            inference_logprobs_T=torch.tensor(mb.inference_logprobs, dtype=torch.float32, device=device),
+            temperatures_T=torch.tensor(mb.temperatures, dtype=torch.float32, device=device),
+            replay_TRA=None,
+        )
+    except (OverflowError, RuntimeError, ValueError) as e:  # an id or position beyond int64 (msgpack has uint64)
+        raise MicroBatchError(f"input_ids and position_ids must fit in int64: {e}") from e
+    if mb.routing is not None:
+        packed = replace(packed, replay_TRA=routing_tensor(mb.routing, len(mb.input_ids), device))
+    if (packed.position_ids_T < 0).any():
+        raise MicroBatchError("position_ids must be >= 0")
     layout = build_padded_layout(packed.position_ids_T)
     if (packed.loss_mask_T & layout.is_start_T).any():
         raise MicroBatchError("a sample's first token has loss_mask=True, but nothing precedes it to predict it")
@@ -75,10 +82,12 @@ def to_packed(mb: MicroBatch, device: torch.device) -> PackedMicroBatch:
             "a shared prefix of a prefix tree has loss_mask=True: a prefix is shared only where no sample has loss "
             "(its loss would be counted once instead of once per sample)"
         )
-    if (packed.temperatures_T <= 0).any():
+    if not ((packed.temperatures_T > 0) & packed.temperatures_T.isfinite()).all():
         raise MicroBatchError(
-            "temperatures must be > 0 (log-probs at temperature 0 are undefined); use 1.0 for prompts"
+            "temperatures must be finite and > 0 (log-probs at temperature 0 are undefined); use 1.0 for prompts"
         )
+    if not (packed.advantages_T.isfinite().all() and packed.inference_logprobs_T.isfinite().all()):
+        raise MicroBatchError("advantages and inference_logprobs must be finite (a NaN or inf poisons the loss)")
     return packed
 
 
@@ -86,6 +95,12 @@ def routing_tensor(routing: Routing, num_tokens: int, device: torch.device) -> T
     """replay_TRA (int64, -1 where inference did not route the token) from a micro-batch's Routing."""
     if routing.dtype not in ("uint8", "uint16"):
         raise MicroBatchError(f"routing.dtype must be uint8 or uint16, got {routing.dtype!r}")
+    if routing.num_layers < 1 or routing.top_k < 1:
+        raise MicroBatchError(
+            f"routing.num_layers and routing.top_k must be >= 1, got {routing.num_layers}, {routing.top_k}"
+        )
+    if len(routing.data) % np.dtype(routing.dtype).itemsize:
+        raise MicroBatchError(f"routing.data holds {len(routing.data)} bytes, not whole {routing.dtype} values")
     array = np.frombuffer(routing.data, dtype=routing.dtype)
     shape = (num_tokens, routing.num_layers, routing.top_k)
     if array.size != num_tokens * routing.num_layers * routing.top_k:

@@ -156,14 +156,19 @@ def truncate_step_log(path: Path, step: int) -> int:
     if not path.exists():
         return 0
     kept, dropped = [], 0
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # torn, or not text
             dropped += 1
             continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int | float):
+            raise ValueError(
+                f"{path}:{number}: a record without a numeric 'step' ({line[:200]!r}); only Slipstream writes this "
+                "file: remove that line to resume"
+            )
         if record["step"] <= step:
             kept.append(line)
         else:

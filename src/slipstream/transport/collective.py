@@ -29,11 +29,35 @@ class GroupInit:
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
+        for name, kind in (("master_addr", str), ("session", str), ("master_port", int), ("world_size", int)):
+            value = getattr(self, name)
+            if not isinstance(value, kind) or isinstance(value, bool) or value in ("", 0):
+                raise ValueError(
+                    f"weight transfer init_info: {name!r} must be a non-empty {kind.__name__}, got {value!r}"
+                )
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"weight transfer init_info: master_port {self.master_port} is not a TCP port")
+        if not isinstance(self.rank_offset, int) or isinstance(self.rank_offset, bool) or self.rank_offset < 1:
+            raise ValueError(
+                f"weight transfer init_info: rank_offset must be an integer >= 1, got {self.rank_offset!r}"
+            )
+        if (
+            not isinstance(self.timeout_s, int | float)
+            or isinstance(self.timeout_s, bool)
+            or not 0 < self.timeout_s < 1e9
+        ):
+            raise ValueError(
+                f"weight transfer init_info: timeout_s must be a number of seconds > 0, got {self.timeout_s!r}"
+            )
+        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise ValueError(f"weight transfer backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
         if self.world_size < 2:
             raise ValueError(
                 f"a weight transfer group needs the sender and >= 1 receiver (world_size {self.world_size})"
+            )
+        if self.rank_offset >= self.world_size:
+            raise ValueError(
+                f"weight transfer init_info: rank_offset {self.rank_offset} >= world_size {self.world_size}"
             )
 
     def to_dict(self) -> dict:

@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from slipstream.transport.weights import weights_dir
+from slipstream.transport.weights import read_marker, weights_dir
 from slipstream.utils.fs import atomic_write_text
 
 OFFER = "OFFER"
@@ -45,7 +45,8 @@ def latest_offered_step(output_dir: Path) -> int | None:
 
 
 def read_manifest(output_dir: Path, step: int) -> dict:
-    return json.loads((weights_dir(output_dir, step) / MANIFEST).read_text())
+    """The broadcast's manifest (weight_stream.Manifest.to_dict; validated by the receiver)."""
+    return read_marker(weights_dir(output_dir, step) / MANIFEST, {"version": int, "step": int, "buckets": list})
 
 
 def write_accept(output_dir: Path, step: int, accept: Accept) -> None:
@@ -55,9 +56,10 @@ def write_accept(output_dir: Path, step: int, accept: Accept) -> None:
 def read_accept(output_dir: Path, step: int) -> Accept | None:
     path = weights_dir(output_dir, step) / ACCEPT
     try:
-        return Accept(**json.loads(path.read_text()))
+        data = read_marker(path, {"session": str, "world_size": int})
     except FileNotFoundError:
         return None
+    return Accept(data["session"], data["world_size"])
 
 
 def mark_delivered(output_dir: Path, step: int, session: str) -> None:
@@ -109,4 +111,4 @@ def wait_for_available(output_dir: Path, min_step: int, timeout_s: float, poll_s
 
 def read_offer(output_dir: Path, step: int) -> dict:
     """The trainer's offer of `step`: {"step", "backend"}."""
-    return json.loads((weights_dir(output_dir, step) / OFFER).read_text())
+    return read_marker(weights_dir(output_dir, step) / OFFER, {"step": int, "backend": str})

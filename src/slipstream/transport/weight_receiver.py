@@ -63,8 +63,12 @@ class WeightReceiver:
         """Take one version: `{"step": N, "path": folder}` reads the folder's safetensors; `{"step": N, "manifest":
         {...}}` receives the manifest's buckets from the sender's broadcast."""
         start = time.perf_counter()
-        step = int(update_info["step"])
+        step = update_info.get("step") if isinstance(update_info, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"update_info must be an object with an integer 'step' >= 0 (got {update_info!r:.200})")
         if "path" in update_info:
+            if not isinstance(update_info["path"], str) or not update_info["path"]:
+                raise ValueError(f"update_info 'path' must be a folder path, got {update_info['path']!r:.200}")
             num_tensors, num_bytes = _load_folder(Path(update_info["path"]), load)
             source = str(update_info["path"])
         elif "manifest" in update_info:

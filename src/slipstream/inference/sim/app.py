@@ -7,7 +7,6 @@ tokens was generated (real vLLM has no such field).
 import base64
 import io
 import itertools
-import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -72,7 +71,7 @@ def _guarded(handler: Handler) -> Handler:
 async def _json_body(request: Request) -> dict[str, Any]:
     try:
         body = await request.json()
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested too deep
         raise SimRequestError(f"request body is not valid JSON: {e}") from e
     if not isinstance(body, dict):
         raise SimRequestError("request body must be a JSON object")

@@ -49,9 +49,14 @@ class SimWeightTransfer:
     async def update(self, update_info: dict[str, Any]) -> None:
         if not self.active:
             raise SimRequestError("start_weight_update must be called before update_weights")
-        if not isinstance(update_info, dict) or "step" not in update_info:
-            raise SimRequestError(f"update_info must be an object with a 'step' (got {update_info!r})")
+        step = update_info.get("step") if isinstance(update_info, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise SimRequestError(
+                f"update_info must be an object with an integer 'step' >= 0 (got {update_info!r:.200})"
+            )
         if "path" in update_info:
+            if not isinstance(update_info["path"], str) or not update_info["path"]:
+                raise SimRequestError(f"update_info 'path' must be a folder path, got {update_info['path']!r:.200}")
             folder = Path(update_info["path"])
             if self.config.require_ready_marker and not (folder / "READY").exists():
                 raise SimRequestError(f"{folder} is not a complete published weights folder (no READY marker)")
@@ -59,7 +64,10 @@ class SimWeightTransfer:
             return
         if self.receiver is None or self.receiver.group is None:
             raise SimRequestError("weights arrive by broadcast but no group was joined: /init_weight_transfer_engine")
-        stats = await asyncio.to_thread(self.receiver.receive, update_info, _discard)
+        try:
+            stats = await asyncio.to_thread(self.receiver.receive, update_info, _discard)
+        except ValueError as e:  # a malformed update_info or manifest (checked before anything is received)
+            raise SimRequestError(str(e)) from e
         self.received.append(stats.to_dict())
         print(f"[sim] received {json.dumps(stats.to_dict())}", flush=True)
 
