@@ -84,7 +84,8 @@ def build_model(name: str, device: torch.device, fsdp_mesh=None) -> torch.nn.Mod
 
 def sender(rank: int, args: dict, stream, manifest, group, results: dict) -> None:
     """Trainer rank `rank`: raw broadcast baseline, then the stream REPEATS times, then the filesystem path."""
-    from slipstream.transport.weight_stream import BroadcastSink, BucketBuffers, SafetensorsSink, broadcast, stream_to
+    from slipstream.transport.bucket_assembly import BucketBuffers, stream_to
+    from slipstream.transport.weight_stream import BroadcastSink, SafetensorsSink, broadcast
 
     device = torch.device("cuda", torch.cuda.current_device())
     bucket_bytes = max(b.nbytes for b in manifest.buckets)

@@ -7,16 +7,8 @@ import threading
 import pytest
 import torch
 
-from slipstream.transport.weight_stream import (
-    BucketAssembler,
-    BucketBuffers,
-    Manifest,
-    Run,
-    TensorMeta,
-    plan_buckets,
-    stream_to,
-    unpack,
-)
+from slipstream.transport.bucket_assembly import BucketAssembler, BucketBuffers, Run, stream_to
+from slipstream.transport.weight_stream import Manifest, TensorMeta, plan_buckets, unpack
 
 
 def _meta(name: str, dtype: str, *shape: int) -> TensorMeta:

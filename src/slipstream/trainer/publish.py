@@ -28,6 +28,7 @@ from slipstream.trainer.weights import (
     make_world_readable,
     write_weights_folder,
 )
+from slipstream.transport.bucket_assembly import BucketBuffers, stream_to
 from slipstream.transport.checkpoints import is_checkpoint_step
 from slipstream.transport.collective import GroupInit, close_group, open_group, open_store
 from slipstream.transport.weight_offers import (
@@ -39,13 +40,11 @@ from slipstream.transport.weight_offers import (
 )
 from slipstream.transport.weight_stream import (
     BroadcastSink,
-    BucketBuffers,
     BucketSink,
     Manifest,
     SafetensorsSink,
     TolerantSink,
     plan_buckets,
-    stream_to,
 )
 from slipstream.transport.weights import PROBE, READY, weights_dir
 from slipstream.utils.fs import atomic_write_text, commit_dir

@@ -5,7 +5,7 @@ renamed (our models through their family's adapter, experts unstacked), and only
 that layer is held in full.
 
 The stream's metadata (names, dtypes, shapes) is known before any gather, so the bucket plan can be sent first.
-The tensors are cast to the published dtype where they are copied into their bucket (transport/weight_stream.py).
+The tensors are cast to the published dtype where they are copied into their bucket (transport/bucket_assembly.py).
 """
 
 import re
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from slipstream.transport.weight_stream import Run, TensorMeta
+from slipstream.transport.bucket_assembly import Run
+from slipstream.transport.weight_stream import TensorMeta
 
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 """Name parts added by activation checkpointing, torch.compile and wrappers; not part of the model's names."""

@@ -123,7 +123,8 @@ def write_weights_folder(
     """Stream the weights into a temporary folder (rank 0 writes; every rank iterates `stream`, whose gathers are
     collectives), add the other files and READY, and rename it to `final_dir`. `buffers`: the caller's
     BucketBuffers, kept from one version to the next."""
-    from slipstream.transport.weight_stream import SafetensorsSink, stream_to
+    from slipstream.transport.bucket_assembly import stream_to
+    from slipstream.transport.weight_stream import SafetensorsSink
 
     if not is_main:
         stream_to(stream, manifest, [])
