@@ -3,12 +3,12 @@
 Legend: B = rows, T = tokens per row, D = hidden size, V = vocabulary, L = MoE layers, H = query heads, K = head dim.
 """
 
-from torch import Tensor, nn
+from torch import nn
 
 from slipstream.models.common.mlp import SwiGLU
-from slipstream.models.common.moe import MoE, MoEStats, collect_moe_stats
+from slipstream.models.common.moe_model import MoEDecoderLM
 from slipstream.models.common.moe_routing import SharedExpertMoE
-from slipstream.models.common.transformer import DecoderLM, MoETransformerBlock, TransformerBlock
+from slipstream.models.common.transformer import MoETransformerBlock, TransformerBlock
 from slipstream.models.glm4_moe.args import Glm4MoeArgs
 
 
@@ -33,7 +33,7 @@ def build_block(args: Glm4MoeArgs, layer: int) -> nn.Module:
     return block
 
 
-class Glm4Moe(DecoderLM):
+class Glm4Moe(MoEDecoderLM):
     """GLM-4.5 blocks: attention (partial RoPE, q/k/v biases, optional q/k norm), a dense SwiGLU on the first
     `first_k_dense_replace` layers, then `layers.{i}.mlp` = SharedExpertMoE: `router` (sigmoid, group-limited, with
     the `e_score_correction_bias` buffer), `experts` (stacked [E, ...] weights) and `shared_experts` (dense SwiGLU).
@@ -49,18 +49,3 @@ class Glm4Moe(DecoderLM):
 
     def __init__(self, args: Glm4MoeArgs):
         super().__init__(args, [build_block(args, i) for i in range(args.num_layers)])
-
-    def forward_with_aux_loss(self, input_ids_BT: Tensor, position_ids_BT: Tensor) -> tuple[Tensor, Tensor]:
-        """(logits_BTV, aux_loss_L) for a packed batch (the model never adds the aux loss to anything)."""
-        h_BTD, aux_loss_L = self.forward_hidden_with_aux_loss(input_ids_BT, position_ids_BT)
-        return self.logits(h_BTD), aux_loss_L
-
-    def moe_stats(self) -> MoEStats:
-        """tokens_per_expert_LE, router_prob_mean_LE, aux_loss_L of the last forward (detached; common/moe.py)."""
-        return collect_moe_stats(self)
-
-    def set_grouped_mm(self, enabled: bool) -> None:
-        """Choose torch._grouped_mm (True, the default) or the per-expert loop (False) for every MoE layer."""
-        for module in self.modules():
-            if isinstance(module, MoE):
-                module.experts.use_grouped_mm = enabled

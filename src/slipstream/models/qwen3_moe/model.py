@@ -3,11 +3,12 @@
 Legend: B = rows, T = tokens per row, D = hidden size, V = vocabulary, L = MoE layers, E = experts.
 """
 
-from torch import Tensor, nn
+from torch import nn
 
 from slipstream.models.common.mlp import SwiGLU
-from slipstream.models.common.moe import MoE, MoEStats, collect_moe_stats
-from slipstream.models.common.transformer import DecoderLM, MoETransformerBlock, TransformerBlock
+from slipstream.models.common.moe import MoE
+from slipstream.models.common.moe_model import MoEDecoderLM
+from slipstream.models.common.transformer import MoETransformerBlock, TransformerBlock
 from slipstream.models.qwen3_moe.args import Qwen3MoeArgs
 
 
@@ -24,11 +25,12 @@ def build_block(args: Qwen3MoeArgs, layer: int) -> nn.Module:
     return TransformerBlock(args, SwiGLU(args.hidden_size, args.intermediate_size))
 
 
-class Qwen3Moe(DecoderLM):
+class Qwen3Moe(MoEDecoderLM):
     """Qwen3 blocks whose MLP is a routed MoE (`layers.{i}.mlp.router`, `layers.{i}.mlp.experts` with stacked
     [E, ...] weights) on the layers the config selects.
 
-    API (from DecoderLM): `forward_hidden`, `forward_hidden_with_aux_loss`, `lm_head_weight`, `logits`, `forward`;
+    API (from DecoderLM and common/moe_model.py): `forward_hidden`, `forward_hidden_with_aux_loss`, `lm_head_weight`,
+    `logits`, `forward`;
     plus `forward_with_aux_loss` (logits and the differentiable per-layer load-balance losses, never added to any
     loss by the model) and `moe_stats()` (detached load-balance statistics of the last forward, for logging).
     Experts run through torch._grouped_mm by default (GPU and CPU; in the autocast dtype under autocast);
@@ -37,18 +39,3 @@ class Qwen3Moe(DecoderLM):
 
     def __init__(self, args: Qwen3MoeArgs):
         super().__init__(args, [build_block(args, i) for i in range(args.num_layers)])
-
-    def forward_with_aux_loss(self, input_ids_BT: Tensor, position_ids_BT: Tensor) -> tuple[Tensor, Tensor]:
-        """(logits_BTV, aux_loss_L) for a packed batch."""
-        h_BTD, aux_loss_L = self.forward_hidden_with_aux_loss(input_ids_BT, position_ids_BT)
-        return self.logits(h_BTD), aux_loss_L
-
-    def moe_stats(self) -> MoEStats:
-        """tokens_per_expert_LE, router_prob_mean_LE, aux_loss_L of the last forward (detached; common/moe.py)."""
-        return collect_moe_stats(self)
-
-    def set_grouped_mm(self, enabled: bool) -> None:
-        """Choose torch._grouped_mm (True, the default) or the per-expert loop (False) for every MoE layer."""
-        for module in self.modules():
-            if isinstance(module, MoE):
-                module.experts.use_grouped_mm = enabled
