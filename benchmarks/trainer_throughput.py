@@ -201,7 +201,10 @@ def run_impl(args: argparse.Namespace, impl: str, device: torch.device) -> Resul
     compile = args.compile and impl == "custom"
     if args.expert_loop and impl == "custom" and hasattr(model, "set_grouped_mm"):
         model.set_grouped_mm(False)
-    policy = parallelize_model(Policy(model), None, ParallelConfig(activation_checkpointing=args.ac), compile=compile)
+    parallel = ParallelConfig(
+        activation_checkpointing=args.ac, activation_checkpointing_keep_attention=args.keep_attention
+    )
+    policy = parallelize_model(Policy(model), None, parallel, compile=compile)
     if args.state_dtype == "bfloat16":
         optimizer = AdamWBf16Moments(policy.parameters(), lr=1e-6)
     else:
@@ -209,6 +212,8 @@ def run_impl(args: argparse.Namespace, impl: str, device: torch.device) -> Resul
     batch, context = fake_batch(args.seq_len, args.num_samples, cfg.vocab_size)
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     step_s, metrics = time_steps(policy, optimizer, batch, device, compute_dtype, args.warmup, args.steps)
+    if args.profile is not None and impl == args.impl:
+        profile_step(policy, optimizer, batch, device, compute_dtype, args.profile)
     tokens_per_s = args.seq_len / step_s
     mfu = flops_per_token(cfg, context) * tokens_per_s / PEAK_FLOPS if device.type == "cuda" else None
     peak = _peak_memory_gib(device)
@@ -236,6 +241,22 @@ def time_steps(policy, optimizer, batch, device, compute_dtype, num_warmup: int,
         metrics = train_step(policy, optimizer, batch, LossConfig(), 1.0, device, compute_dtype)
     _sync(device)
     return (time.perf_counter() - start) / num_steps, metrics
+
+
+def profile_step(policy, optimizer, batch, device, compute_dtype, path: Path) -> None:
+    """One more step under torch.profiler; writes its operators sorted by self device time (the kernels that take
+    the step) to `path`, and the same trace as Chrome JSON next to it (`path` + .json)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        train_step(policy, optimizer, batch, LossConfig(), 1.0, device, compute_dtype)
+        _sync(device)
+    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=45, max_name_column_width=90)
+    path.write_text(table)
+    prof.export_chrome_trace(str(path) + ".json")
+    print(f"profile of one step: {path}", flush=True)
 
 
 def _sync(device: torch.device) -> None:
@@ -330,6 +351,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="measured steps")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
     parser.add_argument("--ac", action=argparse.BooleanOptionalAction, default=True, help="activation checkpointing")
+    parser.add_argument(
+        "--keep-attention",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --ac, keep attention outputs instead of recomputing them (trainer.parallel."
+        "activation_checkpointing_keep_attention); --no-keep-attention = full recomputation",
+    )
     parser.add_argument("--compare-hf", action="store_true", help="also run --impl hf and print the ratio")
     parser.add_argument(
         "--compare-anchor",
@@ -357,6 +385,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="torch.compile each block of --impl custom (default: on CUDA only); never the hf baseline",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="after timing, profile one more step of --impl and write its top operators to PATH (+ PATH.json trace)",
+    )
+    parser.add_argument(
+        "--compare-torchtitan",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also run torchtitan's trainer through the anchor driver at PATH (tt_bench.py: the same dense shape, "
+        "seq and documents per row) and print the ratio",
+    )
     parser.add_argument("--lm-head-memory", action="store_true", help="measure the LM head's memory instead")
     parser.add_argument("--head-tokens", type=int, default=65536, help="tokens for --lm-head-memory")
     args = parser.parse_args(argv)
@@ -370,6 +413,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(
             f"--compare-anchor runs the MoE anchor on CUDA: use --device cuda and --model {' or '.join(MOE_MODELS)}"
         )
+    if args.compare_torchtitan is not None and (args.model != "qwen3-0.6b" or args.device != "cuda"):
+        parser.error("--compare-torchtitan runs torchtitan's Qwen3 0.6B flavor on CUDA: use --model qwen3-0.6b")
+    if args.compare_torchtitan is not None and not args.compare_torchtitan.is_file():
+        parser.error(f"--compare-torchtitan {args.compare_torchtitan}: no such file")
     if args.compare_anchor is not None and not args.compare_anchor.is_file():
         parser.error(f"--compare-anchor {args.compare_anchor}: no such file")
     return args
@@ -388,14 +435,16 @@ def main(argv: list[str] | None = None) -> None:
     position_ids = torch.tensor(fake_batch(args.seq_len, args.num_samples, 2)[0].micro_batches[0].position_ids)
     attention = build_attention_layout(position_ids[None].to(device), compute_dtype).backend
     is_moe = args.model == "tiny-moe" or args.model in MOE_MODELS
+    ac_mode = (" (keeps attention)" if args.keep_attention else " (full)") if args.ac else ""
     experts = f", experts {'loop' if args.expert_loop else 'grouped_mm'}" if is_moe else ""
     print(
         f"{args.model} | seq {args.seq_len} in {args.num_samples} sample(s) | {name} | torch {torch.__version__} | "
-        f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'} | activation checkpointing {args.ac} | "
+        f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'} | activation checkpointing {args.ac}{ac_mode} | "
         f"custom: attention {attention}, compile {args.compile}{experts} | AdamW moments {args.state_dtype}",
         flush=True,
     )
     anchor = run_anchor_in_subprocess(args) if args.compare_anchor is not None else None
+    titan = run_torchtitan_in_subprocess(args) if args.compare_torchtitan is not None else None
     baseline = run_baseline_in_subprocess(args) if args.compare_hf and args.impl != "hf" else None
     result = run_impl(args, args.impl, device)
     line = f"tokens_per_s: {result.tokens_per_s:.1f} mfu: {_fmt_mfu(result.mfu)}"
@@ -407,6 +456,10 @@ def main(argv: list[str] | None = None) -> None:
         tokens_per_s, report = anchor
         print(f"anchor: {report}", flush=True)
         line += f" vs_hf_pure_bf16: {result.tokens_per_s / tokens_per_s:.3f}"
+    if titan is not None:
+        tokens_per_s, report = titan
+        print(f"torchtitan: {report}", flush=True)
+        line += f" vs_torchtitan: {result.tokens_per_s / tokens_per_s:.3f}"
     print(line, flush=True)
 
 
@@ -422,12 +475,44 @@ def run_anchor_in_subprocess(args: argparse.Namespace) -> tuple[float, str]:
     return tokens_per_s, lines[-1]
 
 
+TITAN_STEPS, TITAN_MEASURED = 16, 10
+"""torchtitan steps run, and how many of the last ones are averaged (its first steps compile and warm up)."""
+
+
+def run_torchtitan_in_subprocess(args: argparse.Namespace) -> tuple[float, str]:
+    """(mean tokens/s of torchtitan's last TITAN_MEASURED steps, a report line): torchtitan's own Trainer on its
+    Qwen3 0.6B flavor through the anchor driver, one GPU, with `--seq-len` tokens per row in `--num-samples`
+    documents, full activation checkpointing and compile (the driver's settings), in a fresh process first."""
+    import os
+    import re
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as dump:
+        env = dict(os.environ, TT_SEQ=str(args.seq_len), TT_DOCS=str(args.num_samples), TT_STEPS=str(TITAN_STEPS))
+        env |= {"TT_LOSS": "plain", "TT_CUDAGRAPHS": "0", "TT_DUMP": dump}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+        proc = subprocess.run([*cmd, str(args.compare_torchtitan)], capture_output=True, text=True, env=env)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+    rows = re.findall(r"step:\s*(\d+)\s+loss:.*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+).*?mfu:\s*([\d.]+)%", text)
+    if proc.returncode != 0 or len(rows) < TITAN_MEASURED:
+        raise RuntimeError(f"torchtitan failed ({proc.returncode}, {len(rows)} steps logged):\n{text[-4000:]}")
+    tail = rows[-TITAN_MEASURED:]
+    tokens_per_s = sum(float(r[2].replace(",", "")) for r in tail) / len(tail)
+    mfu = sum(float(r[3]) for r in tail) / len(tail)
+    report = (
+        f"{tokens_per_s:,.0f} tokens/s (mean of steps {tail[0][0]}-{tail[-1][0]}), its MFU {mfu:.1f}%, "
+        f"reserved {tail[-1][1]} GiB"
+    )
+    return tokens_per_s, report
+
+
 def run_baseline_in_subprocess(args: argparse.Namespace) -> tuple[float, str]:
     """(tokens/s, its report line) of `--impl hf` with the same settings, run first and in a fresh process: one run
     in a process slowed the next there (seen on an H100: hf at 18.1k tokens/s after our model, 23.2k alone)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--impl", "hf", "--model", args.model]
     cmd += ["--seq-len", str(args.seq_len), "--num-samples", str(args.num_samples), "--device", args.device]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--ac" if args.ac else "--no-ac"]
+    cmd += ["--keep-attention" if args.keep_attention else "--no-keep-attention"]
     cmd += ["--state-dtype", args.state_dtype, "--hf-experts", args.hf_experts]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     lines = proc.stdout.strip().splitlines()

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from slipstream.config.trainer import ParallelConfig
@@ -78,24 +79,43 @@ def test_find_blocks_in_ours_transformers_and_wrapped(tiny_qwen3_dir):
         find_blocks(torch.nn.Linear(2, 2))
 
 
+class _CountAttention(TorchDispatchMode):
+    """Counts the attention kernel's forward runs (the CPU path's op) that actually execute."""
+
+    def __init__(self):
+        super().__init__()
+        self.runs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.runs += func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("impl", ["custom", "hf"])
 def test_activation_checkpointing_keeps_values_grads_and_keys(tiny_qwen3_dir, impl):
+    """Full checkpointing and keep_attention (the default) give no-checkpointing's values and gradients; full
+    reruns each block's attention kernel in backward, keep_attention does not."""
     input_ids_T, position_ids_T = torch.randint(3, 500, (12,)), torch.tensor([*range(5), *range(7)])
     temperatures_T = torch.full((12,), 0.8)
-    results = []
-    for checkpointed in (False, True):
+    results, runs = [], []
+    for mode in ("none", "full", "keep_attention"):
         policy = Policy(load_pretrained(tiny_qwen3_dir, impl=impl))
-        if checkpointed:
-            apply_activation_checkpointing(policy)
-        logprobs_T, _ = policy(input_ids_T, position_ids_T, temperatures_T)
-        logprobs_T.sum().backward()
+        if mode != "none":
+            apply_activation_checkpointing(policy, keep_attention=mode == "keep_attention")
+        with _CountAttention() as counter:
+            logprobs_T, _ = policy(input_ids_T, position_ids_T, temperatures_T)
+            logprobs_T.sum().backward()
+        runs.append(counter.runs)
         grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in policy.named_parameters()}
         results.append((list(policy.state_dict()), logprobs_T.detach(), grads))
-    (keys, lp, grads), (keys_ac, lp_ac, grads_ac) = results
-    assert keys == keys_ac and all("checkpoint" not in k for k in keys_ac)
-    torch.testing.assert_close(lp_ac, lp, rtol=0, atol=0)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grads_ac[name], grad, rtol=0, atol=1e-7, msg=name)
+    num_blocks = len(find_blocks(policy))
+    assert runs == [num_blocks, 2 * num_blocks, num_blocks]
+    keys, lp, grads = results[0]
+    for keys_ac, lp_ac, grads_ac in results[1:]:
+        assert keys == keys_ac and all("checkpoint" not in k for k in keys_ac)
+        torch.testing.assert_close(lp_ac, lp, rtol=0, atol=0)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grads_ac[name], grad, rtol=0, atol=1e-7, msg=name)
 
 
 def test_clip_grad_norm_matches_torch():
@@ -158,3 +178,44 @@ def test_checkpoint_round_trip_commit_and_resume_rules(tiny_qwen3_dir, tmp_path)
 
     with pytest.raises(ValueError, match="impl='hf'.*resume with the model and trainer.model_impl"):
         load_checkpoint(fresh, fresh_optimizer, tmp_path, CheckpointMeta(3, "qwen3", "hf"), ONE_RANK)
+
+
+def _params_with_grads(scale: float, seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in [(5, 3), (7,), (2, 2, 4)]]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * scale
+    return params
+
+
+@pytest.mark.parametrize("scale", [0.01, 10.0, float("nan")])
+def test_fused_adamw_clips_in_its_kernel_as_the_separate_clip_does(scale):
+    """clip_and_step hands torch's fused AdamW the clipping divisor and the non-finite flag instead of clipping
+    first: the same update (to float rounding) for norms under and over the limit, and a NaN norm skips the step
+    with weights and moments untouched."""
+    from slipstream.trainer.step import _fused_adamw_clips, clip_and_step
+
+    fused_params, plain_params = _params_with_grads(scale), _params_with_grads(scale)
+    before = [p.detach().clone() for p in fused_params]
+    results = []
+    for params, fused in ((fused_params, True), (plain_params, False)):
+        model = torch.nn.ParameterList(params)
+        optimizer = torch.optim.AdamW(params, lr=0.1, weight_decay=0.01, fused=fused or None)
+        assert _fused_adamw_clips(optimizer, params) is fused
+        for step in range(2):  # the second step sees moments
+            if step > 0:
+                for p, q in zip(params, _params_with_grads(scale, seed=1), strict=True):
+                    p.grad = q.grad
+            results.append(clip_and_step(model, optimizer, max_grad_norm=1.0))
+            assert all(p.grad is None for p in params)
+        assert not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")
+    (norm_f, skipped_f), _, (norm_p, skipped_p), _ = results
+    assert skipped_f == skipped_p == (scale != scale)
+    if scale != scale:
+        for p, b in zip(fused_params, before, strict=True):
+            assert torch.equal(p.detach(), b)
+        return
+    torch.testing.assert_close(norm_f, norm_p)
+    for f, p, b in zip(fused_params, plain_params, before, strict=True):
+        torch.testing.assert_close(f.detach(), p.detach(), atol=1e-6, rtol=1e-6)
+        assert not torch.equal(f.detach(), b)  # the step did update

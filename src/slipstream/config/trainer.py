@@ -40,6 +40,11 @@ class ParallelConfig(BaseConfig):
     """Recompute each transformer block's activations in backward instead of keeping them (less memory, ~1/3 more
     compute). Applies with any number of ranks."""
 
+    activation_checkpointing_keep_attention: bool = True
+    """With activation_checkpointing: keep each block's attention output (and its log-sum-exp) instead of rerunning
+    the attention kernel in backward: about tokens x heads x head_dim x 2 bytes more per block, one attention
+    forward less per block (parallel/ac.py). false = full recomputation."""
+
     @model_validator(mode="after")
     def _check_ep_spans_cp(self) -> "ParallelConfig":
         if self.ep > 1 and self.cp > 1 and self.ep % self.cp != 0:

@@ -11,10 +11,10 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from slipstream.config.trainer import ParallelConfig
+from slipstream.parallel.ac import checkpoint_block
 from slipstream.parallel.ep import apply_expert_parallel
 from slipstream.parallel.mesh import TrainerMesh
 
@@ -51,18 +51,27 @@ def build_mp_policy(compute_dtype: torch.dtype, device_type: str) -> MixedPrecis
     )
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Wrap every transformer block so its activations are recomputed in backward (state-dict keys unchanged)."""
+def apply_activation_checkpointing(model: nn.Module, keep_attention: bool = True) -> None:
+    """Wrap every transformer block so its activations are recomputed in backward (parallel/ac.py: with
+    `keep_attention`, all but the attention kernels' outputs)."""
     blocks = find_blocks(model)
     for i, block in enumerate(blocks):
-        # No dropout in RL/SFT here, so the recomputation needs no RNG state.
-        blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+        blocks[i] = checkpoint_block(block, keep_attention)
 
 
 def apply_compile(model: nn.Module) -> None:
     """torch.compile every transformer block in place (`nn.Module.compile`: state-dict keys unchanged). Blocks of
     one model share their code, so one compilation serves them all; a block already wrapped for activation
-    checkpointing is compiled with its recomputation, which Inductor then plans itself."""
+    checkpointing is compiled with its recomputation, which Inductor then plans itself.
+
+    MoE layers record detached statistics on themselves in forward (common/moe.py: tokens per expert, router
+    replay counts). Inside a checkpointed region Dynamo refuses such attribute writes by default and runs the
+    whole block eagerly (measured on an H100: every MoE block of the Qwen3-30B-A3B cut ran uncompiled). Eager
+    checkpointing writes them in forward and writes the same values again in the recomputation; skipping the second
+    write (Dynamo's `skip_fwd_side_effects_in_bwd_under_checkpoint`) gives the same statistics and a compiled block
+    (tests/unit/test_compile_moe.py). A torch without that setting compiles the same blocks with that break."""
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for block in find_blocks(model):
         block.compile()
 
@@ -87,7 +96,7 @@ def parallelize_model(
     if expert_parallel:
         apply_expert_parallel(experts, mesh.ep)
     if config.activation_checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, config.activation_checkpointing_keep_attention)
     if compile:
         apply_compile(model)
     if mesh is None:

@@ -1,0 +1,54 @@
+"""Activation checkpointing per transformer block (state-dict keys unchanged), in one of two modes:
+
+- full: the block keeps only its input; backward recomputes its whole forward, attention included;
+- keep_attention (the default): as full, but each attention kernel's outputs (the attention output and its
+  log-sum-exp, T x H x K x 2 bytes and T x H x 4 bytes per block) are saved, so backward reruns everything except
+  the attention kernel, the most expensive op to recompute. Measured on an H100 (benchmarks/RESULTS.md).
+
+Both give the same gradients as no checkpointing (the recomputation is deterministic: no dropout here).
+"""
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+aten = torch.ops.aten
+
+
+def attention_ops() -> set:
+    """The attention kernels' ops on every path of models/common/attention.py, as the checkpoint policy sees them."""
+    ops = {
+        aten._scaled_dot_product_cudnn_attention.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._flash_attention_forward.default,
+        aten._efficient_attention_forward.default,
+        aten._cudnn_attention_forward.default,
+    }
+    try:  # torch >= 2.10: the packed (varlen) path is a custom op, registered when its module is imported
+        import torch.nn.attention.varlen  # noqa: F401
+
+        ops.add(torch.ops.torch_attn._varlen_attn.default)
+    except (ImportError, AttributeError):
+        pass
+    return ops
+
+
+def _keep_attention_policy(ops: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def keep_attention_context():
+    """The selective-checkpoint contexts that save the attention kernels' outputs and recompute the rest."""
+    return create_selective_checkpoint_contexts(partial(_keep_attention_policy, attention_ops()))
+
+
+def checkpoint_block(block: nn.Module, keep_attention: bool) -> nn.Module:
+    """`block` wrapped for activation checkpointing (no RNG state: no dropout in RL/SFT here)."""
+    if keep_attention:
+        return checkpoint_wrapper(block, preserve_rng_state=False, context_fn=keep_attention_context)
+    return checkpoint_wrapper(block, preserve_rng_state=False)
