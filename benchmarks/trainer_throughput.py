@@ -43,8 +43,11 @@ import torch.nn.functional as F
 
 from slipstream.config.trainer import LossConfig, ParallelConfig
 from slipstream.models.common.attention import build_attention_layout
+from slipstream.models.common.moe import find_grouped_experts
 from slipstream.models.registry import build_model, export_hf_state_dict
+from slipstream.parallel.dist import init_distributed, rank_device, read_rank_info
 from slipstream.parallel.fsdp import parallelize_model
+from slipstream.parallel.mesh import build_mesh, resolve_parallel_dims
 from slipstream.trainer.logprobs import DEFAULT_CHUNK_SIZE, chunked_lm_head_logprobs
 from slipstream.trainer.optim import AdamWBf16Moments
 from slipstream.trainer.policy import Policy
@@ -202,31 +205,43 @@ def run_impl(args: argparse.Namespace, impl: str, device: torch.device) -> Resul
     if args.expert_loop and impl == "custom" and hasattr(model, "set_grouped_mm"):
         model.set_grouped_mm(False)
     parallel = ParallelConfig(
-        activation_checkpointing=args.ac, activation_checkpointing_keep_attention=args.keep_attention
+        ep=args.ep, activation_checkpointing=args.ac, activation_checkpointing_keep_attention=args.keep_attention
     )
-    policy = parallelize_model(Policy(model), None, parallel, compile=compile)
+    mesh = None
+    if args.world_size > 1:  # torchrun: FSDP over every rank, the experts sharded over `--ep` of them
+        mesh = build_mesh(resolve_parallel_dims(parallel, args.world_size), device.type)
+    compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    experts = find_grouped_experts(model) if impl == "custom" else []
+    policy = parallelize_model(Policy(model), mesh, parallel, compute_dtype, compile=compile, experts=experts)
     if args.state_dtype == "bfloat16":
         optimizer = AdamWBf16Moments(policy.parameters(), lr=1e-6)
     else:
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, fused=True if device.type == "cuda" else None)
-    batch, context = fake_batch(args.seq_len, args.num_samples, cfg.vocab_size)
-    compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    step_s, metrics = time_steps(policy, optimizer, batch, device, compute_dtype, args.warmup, args.steps)
+    batch, context = fake_batch(args.seq_len, args.num_samples, cfg.vocab_size, seed=args.rank)
+    # Under FSDP the parameters arrive in bf16 already (its mixed-precision policy), as in the trainer's setup.
+    autocast_dtype = torch.float32 if mesh is not None and device.type == "cuda" else compute_dtype
+    step_s, metrics = time_steps(policy, optimizer, batch, device, autocast_dtype, args.warmup, args.steps)
     if args.profile is not None and impl == args.impl:
         profile_step(policy, optimizer, batch, device, compute_dtype, args.profile)
     tokens_per_s = args.seq_len / step_s
     mfu = flops_per_token(cfg, context) * tokens_per_s / PEAK_FLOPS if device.type == "cuda" else None
     peak = _peak_memory_gib(device)
-    print(
-        f"{impl:>6}: {tokens_per_s:,.0f} tokens/s | MFU {_fmt_mfu(mfu)} | peak memory {peak:.2f} GiB | "
+    per_gpu = f" per GPU ({args.world_size} ranks, ep {args.ep})" if args.world_size > 1 else ""
+    _print0(
+        args,
+        f"{impl:>6}: {tokens_per_s:,.0f} tokens/s{per_gpu} | MFU {_fmt_mfu(mfu)} | peak memory {peak:.2f} GiB | "
         f"{step_s:.3f} s/step | loss {metrics['loss']:.4f}",
-        flush=True,
     )
     del policy, model, optimizer
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return Result(impl, tokens_per_s, mfu, peak, step_s)
+
+
+def _print0(args: argparse.Namespace, line: str) -> None:
+    if args.rank == 0:
+        print(line, flush=True)
 
 
 def time_steps(policy, optimizer, batch, device, compute_dtype, num_warmup: int, num_steps: int):
@@ -358,6 +373,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --ac, keep attention outputs instead of recomputing them (trainer.parallel."
         "activation_checkpointing_keep_attention); --no-keep-attention = full recomputation",
     )
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="under torchrun (several ranks, one GPU each): expert parallelism over this many ranks, FSDP over all; "
+        "figures are per GPU, each rank training its own micro-batch",
+    )
     parser.add_argument("--compare-hf", action="store_true", help="also run --impl hf and print the ratio")
     parser.add_argument(
         "--compare-anchor",
@@ -424,7 +446,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    device = torch.device(args.device)
+    info = read_rank_info()
+    args.rank, args.world_size = info.rank, info.world_size
+    device = rank_device(args.device, info)
+    if info.world_size > 1 and (args.compare_hf or args.compare_anchor or args.compare_torchtitan or args.profile):
+        raise SystemExit("under torchrun only our trainer runs: drop --compare-* and --profile (run them on one GPU)")
+    if info.world_size == 1 and args.ep > 1:
+        raise SystemExit(f"--ep {args.ep} needs torchrun with a multiple of {args.ep} ranks")
+    owns_group = init_distributed(info, device)
+    try:
+        _main(args, device)
+    finally:
+        if owns_group:
+            torch.distributed.destroy_process_group()
+
+
+def _main(args: argparse.Namespace, device: torch.device) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     if args.lm_head_memory:
         figures = measure_lm_head_memory(device, args.head_tokens)
@@ -437,11 +474,11 @@ def main(argv: list[str] | None = None) -> None:
     is_moe = args.model == "tiny-moe" or args.model in MOE_MODELS
     ac_mode = (" (keeps attention)" if args.keep_attention else " (full)") if args.ac else ""
     experts = f", experts {'loop' if args.expert_loop else 'grouped_mm'}" if is_moe else ""
-    print(
+    _print0(
+        args,
         f"{args.model} | seq {args.seq_len} in {args.num_samples} sample(s) | {name} | torch {torch.__version__} | "
         f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'} | activation checkpointing {args.ac}{ac_mode} | "
         f"custom: attention {attention}, compile {args.compile}{experts} | AdamW moments {args.state_dtype}",
-        flush=True,
     )
     anchor = run_anchor_in_subprocess(args) if args.compare_anchor is not None else None
     titan = run_torchtitan_in_subprocess(args) if args.compare_torchtitan is not None else None
@@ -460,7 +497,7 @@ def main(argv: list[str] | None = None) -> None:
         tokens_per_s, report = titan
         print(f"torchtitan: {report}", flush=True)
         line += f" vs_torchtitan: {result.tokens_per_s / tokens_per_s:.3f}"
-    print(line, flush=True)
+    _print0(args, line)
 
 
 def run_anchor_in_subprocess(args: argparse.Namespace) -> tuple[float, str]:

@@ -192,7 +192,11 @@ def test_forward_backward_under_bf16_autocast(family, model_dir):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = ours(input_ids_BT, position_ids_BT)
         assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
-        assert max_diff(logits.float(), reference) <= 0.1 * reference.abs().max().item()
+        per_token_T = (logits.float() - reference).abs().amax(-1)[0]
+        close_T = per_token_T <= 0.1 * reference.abs().max().item()
+        # bf16 rounding can flip a near-tie token's top-k experts in a later MoE layer: that token's logits then
+        # differ by more; a MoE family may have one such token of 24 here, a dense one none.
+        assert int((~close_T).sum()) <= (1 if "moe" in family else 0), per_token_T
         logits.float().logsumexp(-1).mean().backward()
         assert all(p.grad is not None for p in ours.parameters())
 

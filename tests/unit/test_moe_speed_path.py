@@ -275,3 +275,52 @@ def test_benchmark_moe_flops_match_the_anchor(bench):
         assert bench.active_matmul_params(bench.build_hf_config(name)) == anchor
     with pytest.raises(SystemExit):
         bench.parse_args(["--model", "qwen3-30b-a3b-4l", "--device", "cpu", "--compare-anchor", __file__])
+
+
+def test_dispatch_and_unsort_rows_backward_gathers_what_indexing_scatters():
+    """MoE's row movement (dispatch by token, unsort back to (token, slot) order) has hand-written backwards that
+    gather instead of scatter-adding: the same gradients as plain indexing's autograd, and bit-identical from one
+    run to the next."""
+    from slipstream.models.common.moe import dispatch_rows, inverse_permutation, unsort_rows
+
+    _, ids_NA = _routed(37, seed=5)
+    order_M, token_M, _ = sort_by_expert(ids_NA, NUM_EXPERTS)
+    inverse_M = inverse_permutation(order_M)
+    assert torch.equal(order_M[inverse_M], torch.arange(order_M.numel()))
+    g = torch.Generator().manual_seed(0)
+    x_ND = torch.randn(37, DIM, generator=g, dtype=torch.float64, requires_grad=True)
+    upstream_MD = torch.randn(order_M.numel(), DIM, generator=g, dtype=torch.float64)
+
+    def moved(fast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        x_ND.grad = None
+        rows_MD = dispatch_rows(x_ND, token_M, inverse_M) if fast else x_ND[token_M]
+        y_MD = rows_MD * upstream_MD
+        y_PD = unsort_rows(y_MD, inverse_M, order_M) if fast else y_MD[inverse_M]
+        y_PD.pow(2).sum().backward()
+        return y_PD.detach(), x_ND.grad.clone()
+
+    (y_fast, grad_fast), (y_plain, grad_plain) = moved(True), moved(False)
+    assert torch.equal(y_fast, y_plain)
+    torch.testing.assert_close(grad_fast, grad_plain, rtol=1e-12, atol=1e-12)
+    assert torch.equal(moved(True)[1], grad_fast)
+    assert torch.autograd.gradcheck(lambda x: dispatch_rows(x, token_M, inverse_M), (x_ND,))
+
+
+def test_compiled_bf16_moment_update_matches_eager():
+    """The GPU path compiles the chunk update (one fused kernel): on the CPU the compiled function gives the eager
+    one's weights (the update reads the float32 moments before rounding) and moments within one bf16 step of them
+    (the stochastic rounding draws different random bits), for two different step scalars without recompiling."""
+    from slipstream.trainer.optim import _chunk_update
+
+    compiled = torch.compile(_chunk_update, dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    p, grad = torch.randn(1000, generator=g), torch.randn(1000, generator=g)
+    m, v = torch.randn(1000, generator=g).bfloat16(), torch.rand(1000, generator=g).bfloat16()
+    for step in (1, 2):
+        scalars = torch.tensor([1 - 1e-3 * 0.01, 0.9, 0.999, 1 - 0.999**step, 1e-8, 1e-3 / (1 - 0.9**step)])
+        eager_state = [t.clone() for t in (p, grad, m, v)]
+        _chunk_update(*eager_state, scalars)
+        compiled(p, grad, m, v, scalars)
+        torch.testing.assert_close(p, eager_state[0], rtol=1e-6, atol=1e-7)
+        for got, want in ((m, eager_state[2]), (v, eager_state[3])):
+            assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-30).all()

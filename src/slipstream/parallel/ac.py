@@ -13,7 +13,7 @@ from functools import partial
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 aten = torch.ops.aten
 
@@ -45,6 +45,24 @@ def _keep_attention_policy(ops: set, ctx, op, *args, **kwargs) -> CheckpointPoli
 def keep_attention_context():
     """The selective-checkpoint contexts that save the attention kernels' outputs and recompute the rest."""
     return create_selective_checkpoint_contexts(partial(_keep_attention_policy, attention_ops()))
+
+
+def _ignore_profiler_ops() -> None:
+    """Selective checkpointing matches every op of the recomputation to the forward's by invocation count; the
+    profiler's record_function markers (which c10d collectives open, e.g. expert parallelism's all_to_all under
+    context parallelism) do not repeat one for one there, and then the recomputation fails ("invocation index ...
+    not found in storage"). They carry no values: torch's public SAC_IGNORED_OPS (which already holds detach and
+    similar ops) is where such ops go."""
+    profiler = torch.ops.profiler
+    for packet in (
+        profiler._record_function_enter,
+        profiler._record_function_enter_new,
+        profiler._record_function_exit,
+    ):
+        SAC_IGNORED_OPS.update(getattr(packet, name) for name in packet.overloads())
+
+
+_ignore_profiler_ops()
 
 
 def checkpoint_block(block: nn.Module, keep_attention: bool) -> nn.Module:

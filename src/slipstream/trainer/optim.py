@@ -57,17 +57,38 @@ class AdamWBf16Moments(torch.optim.Optimizer):
         state["step"] += 1
         step = state["step"].item()
         beta1, beta2 = group["betas"]
-        lr = group["lr"]
         tensors = [_local(t) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])]
+        # The step's scalars as one tensor: a compiled update then serves every step (a Python float would be
+        # baked into the compiled code and recompile it as the learning rate and bias corrections change).
+        lr, decay = group["lr"], group["weight_decay"]
+        scalars = [1 - lr * decay, beta1, beta2, 1 - beta2**step, group["eps"], lr / (1 - beta1**step)]
+        scalars_S = torch.tensor(scalars, dtype=torch.float32, device=tensors[0].device)
+        update = _compiled_chunk_update() if tensors[0].is_cuda else _chunk_update
         for p, g, m, v in zip(*(_chunks(t) for t in tensors), strict=True):
-            g = g.float()
-            m32 = m.float().lerp_(g, 1 - beta1)
-            v32 = v.float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            p.mul_(1 - lr * group["weight_decay"])
-            denom = (v32 / (1 - beta2**step)).sqrt_().add_(group["eps"])
-            p.addcdiv_(m32.to(p.dtype), denom.to(p.dtype), value=-lr / (1 - beta1**step))
-            stochastic_round_to_bf16_(m, m32)
-            stochastic_round_to_bf16_(v, v32)
+            update(p, g, m, v, scalars_S)
+
+
+def _chunk_update(p: Tensor, g: Tensor, m: Tensor, v: Tensor, scalars_S: Tensor) -> None:
+    """One chunk of AdamW with bf16 moments, in place: float32 maths, moments stored with stochastic rounding.
+    `scalars_S` = (1 - lr x weight_decay, beta1, beta2, 1 - beta2^step, eps, lr / (1 - beta1^step))."""
+    keep, beta1, beta2, correction2, eps, step_size = scalars_S.unbind(0)
+    g = g.float()
+    m32 = m.float() * beta1 + g * (1 - beta1)
+    v32 = v.float() * beta2 + g * g * (1 - beta2)
+    p.copy_(p * keep - step_size * m32 / ((v32 / correction2).sqrt() + eps))
+    stochastic_round_to_bf16_(m, m32)
+    stochastic_round_to_bf16_(v, v32)
+
+
+_COMPILED: list = []
+
+
+def _compiled_chunk_update():
+    """`_chunk_update` through torch.compile (GPUs): one fused kernel reading p, g, m, v and writing p, m, v, about
+    20 bytes per parameter, instead of a dozen elementwise kernels with float32 temporaries."""
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(_chunk_update, dynamic=True))
+    return _COMPILED[0]
 
 
 def stochastic_round_to_bf16_(out: Tensor, x: Tensor) -> Tensor:

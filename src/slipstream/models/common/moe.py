@@ -126,6 +126,55 @@ def sort_by_expert(expert_ids_NA: Tensor, num_experts: int) -> tuple[Tensor, Ten
     return order_M, order_M // top_k, count_per_expert(expert_ids_NA, num_experts)
 
 
+def inverse_permutation(order_M: Tensor) -> Tensor:
+    """inverse_M with order_M[inverse_M[p]] = p: where flat pair p sits in the sorted order."""
+    positions_M = torch.arange(order_M.numel(), device=order_M.device, dtype=order_M.dtype)
+    return torch.empty_like(order_M).scatter_(0, order_M, positions_M)
+
+
+class _DispatchRows(torch.autograd.Function):
+    """x_MD = x_ND[token_M] (each token once per active expert, sorted by expert). Backward gathers instead of
+    autograd's scatter-add (atomic adds over [M, D], the slowest part of the MoE layer's backward on a GPU):
+    grad_x_ND = grad_MD[inverse_M] viewed as [N, A, D], summed over the A slots; deterministic too."""
+
+    @staticmethod
+    def forward(ctx, x_ND: Tensor, token_M: Tensor, inverse_M: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse_M)
+        ctx.num_tokens = x_ND.shape[0]
+        return x_ND[token_M]
+
+    @staticmethod
+    def backward(ctx, grad_MD: Tensor):
+        (inverse_M,) = ctx.saved_tensors
+        grad_NAD = grad_MD[inverse_M].view(ctx.num_tokens, -1, grad_MD.shape[-1])
+        return grad_NAD.sum(dim=1), None, None
+
+
+class _UnsortRows(torch.autograd.Function):
+    """y_PD = y_MD[inverse_M]: the sorted rows back in (token, slot) pair order; its backward is the gather
+    grad_MD = grad_PD[order_M] (a permutation's inverse), not a scatter."""
+
+    @staticmethod
+    def forward(ctx, y_MD: Tensor, inverse_M: Tensor, order_M: Tensor) -> Tensor:
+        ctx.save_for_backward(order_M)
+        return y_MD[inverse_M]
+
+    @staticmethod
+    def backward(ctx, grad_PD: Tensor):
+        (order_M,) = ctx.saved_tensors
+        return grad_PD[order_M], None, None
+
+
+def dispatch_rows(x_ND: Tensor, token_M: Tensor, inverse_M: Tensor) -> Tensor:
+    """x_ND[token_M] with a gather for backward (see _DispatchRows)."""
+    return _DispatchRows.apply(x_ND, token_M, inverse_M)
+
+
+def unsort_rows(y_MD: Tensor, inverse_M: Tensor, order_M: Tensor) -> Tensor:
+    """y_MD[inverse_M] with a gather for backward (see _UnsortRows)."""
+    return _UnsortRows.apply(y_MD, inverse_M, order_M)
+
+
 def count_per_expert(expert_ids_NA: Tensor, num_experts: int) -> Tensor:
     """counts_E (int64): how many of the (token, expert) pairs go to each expert. A scatter-add rather than
     `torch.bincount`, whose output size depends on the data: torch.compile breaks the graph there."""
@@ -162,10 +211,12 @@ class MoE(nn.Module):
         probs_NE, expert_ids_NA, weights_NA = self.router(x_ND, replay_NA)
         # y = sum over a token's A experts of weight * expert(x), with each expert's rows contiguous.
         order_M, token_M, counts_E = sort_by_expert(expert_ids_NA, self.num_experts)
-        y_MD = self.experts(x_ND[token_M], counts_E)
-        y_MD = y_MD * weights_NA.reshape(-1)[order_M, None].to(y_MD.dtype)
-        # Under autocast the expert matmuls return bf16 while x (the residual stream) stays float32.
-        y_ND = torch.zeros_like(x_ND).index_add_(0, token_M, y_MD.to(x_ND.dtype))
+        inverse_M = inverse_permutation(order_M)
+        y_MD = self.experts(dispatch_rows(x_ND, token_M, inverse_M), counts_E)
+        # Back in (token, slot) order, weighted and summed over a token's A experts in x's dtype (under autocast the
+        # expert matmuls return bf16 while x, from the float32 residual stream, stays float32).
+        y_NAD = unsort_rows(y_MD, inverse_M, order_M).view(*expert_ids_NA.shape, -1)
+        y_ND = (y_NAD.to(x_ND.dtype) * weights_NA.unsqueeze(-1).to(x_ND.dtype)).sum(dim=1)
         return y_ND.view_as(x_BTD), self._load_balance_loss(probs_NE, expert_ids_NA)
 
     def _load_balance_loss(self, probs_NE: Tensor, expert_ids_NA: Tensor) -> Tensor:
