@@ -22,6 +22,7 @@ commands:
   plot RUN_DIR  write PNG plots of a run into RUN_DIR/plots/
   model         model utilities: `model import NAME|FILE.gguf`, `model tiny --family F --out DIR`
   env           `env init NAME`: write an installable environment package (docs/environments.md)
+  k8s           `k8s render -c rl.toml --out DIR`: write Kubernetes manifests of the run (docs/kubernetes.md)
 
 Configs: -c/--config FILE.toml (repeatable, later files win), then dotted overrides such as
 --trainer.optim.lr 1e-5. `slipstream <command> --help` lists every option with its default.
@@ -67,6 +68,10 @@ def _main(argv: list[str]) -> int:
         from slipstream.envs.scaffold import main as env_main
 
         return env_main(rest)
+    if command == "k8s":
+        from slipstream.deploy.cli import main as k8s_main
+
+        return k8s_main(rest)
     if command not in CONFIG_COMMANDS:
         print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

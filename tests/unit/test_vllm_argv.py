@@ -49,7 +49,7 @@ SHAPES = {
     "dp=2": ([0, 1, 2, 3], {}, 1, 2),
     "tp=2 x dp=2": (list(range(8)), {"inference": {"tensor_parallel_size": 2}}, 2, 2),
     "tool parser": ([0, 1], {"inference": {"tool_call_parser": "hermes"}}, 1, 1),
-    "expert parallel": (list(range(8)), {"inference": {"extra_args": ["--enable-expert-parallel"]}}, 1, 4),
+    "expert parallel": (list(range(8)), {"inference": {"enable_expert_parallel": True}}, 1, 4),
     "CPU": ([], {"model": {"name": "Qwen/Qwen3-0.6B", "dtype": "float32"}}, 1, 1),
     "router replay": ([0, 1], {"inference": {"enable_return_routed_experts": True}}, 1, 1),
 }
@@ -77,7 +77,7 @@ def test_vllm_parses_our_command_line(shape):
         ("tool_call_parser" in sections.get("inference", {})),
         sections.get("inference", {}).get("tool_call_parser"),
     )
-    assert engine.enable_expert_parallel == ("extra_args" in sections.get("inference", {}))
+    assert engine.enable_expert_parallel == sections.get("inference", {}).get("enable_expert_parallel", False)
     routed = sections.get("inference", {}).get("enable_return_routed_experts", False)
     assert engine.enable_return_routed_experts == routed
 
@@ -86,3 +86,46 @@ def test_a_flag_vllm_does_not_know_fails():
     config = inference_config([], inference={"extra_args": ["--no-such-vllm-flag", "1"]})
     with pytest.raises(SystemExit):
         parse_vllm_argv(build_vllm_argv(config, Path("/m")))
+
+
+EP = {"enable_expert_parallel": True}
+OPTION_SHAPES = {
+    "fp8 + DeepGEMM": {"quantization": "fp8_per_block", "deep_gemm": True},
+    "DeepEP low latency + DBO": {**EP, "all2all_backend": "deepep_low_latency", "enable_dbo": True},
+    "DeepEP high throughput + EPLB": {
+        **EP,
+        "all2all_backend": "deepep_high_throughput",
+        "enable_eplb": True,
+        "eplb": {"num_redundant_experts": 32, "window_size": 500},
+    },
+    "allgather_reducescatter": {**EP, "all2all_backend": "allgather_reducescatter"},
+    "KV offload: CPU": {"kv_cache_offload": {"cpu_gib": 64}},
+    "KV offload: CPU + disk": {"kv_cache_offload": {"cpu_gib": 8.5, "disk_dir": "/nvme/kv"}},
+    "KV offload: Mooncake": {"kv_cache_offload": {"backend": "mooncake", "mooncake": {"master_host": "node0"}}},
+}
+
+
+@pytest.mark.parametrize("shape", OPTION_SHAPES)
+def test_vllm_parses_the_large_deployment_options(shape):
+    """FP8, expert-parallel backends, EPLB, DBO and KV offload render to flags vLLM's parser reads back as set."""
+    options = OPTION_SHAPES[shape]
+    config = inference_config(list(range(8)), inference={"tensor_parallel_size": 2, **options})
+    argv = build_vllm_argv(config, Path("/models/glm"))
+    _, engine = parse_vllm_argv(argv)
+    assert (engine.tensor_parallel_size, engine.data_parallel_size) == (2, 2)
+    assert engine.quantization == options.get("quantization")
+    assert engine.enable_expert_parallel == options.get("enable_expert_parallel", False)
+    assert engine.all2all_backend == options.get("all2all_backend", "allgather_reducescatter")
+    assert (engine.enable_eplb, engine.enable_dbo) == (
+        options.get("enable_eplb", False),
+        options.get("enable_dbo", False),
+    )
+    if engine.enable_eplb:
+        assert engine.eplb_config.num_redundant_experts == 32 and engine.eplb_config.window_size == 500
+    offload = options.get("kv_cache_offload")
+    if offload is None:
+        assert engine.kv_offloading_size is None and engine.kv_transfer_config is None
+    elif "disk_dir" in offload or "mooncake" in offload:
+        assert engine.kv_offloading_size is None and engine.kv_transfer_config.kv_role == "kv_both"
+    else:
+        assert (engine.kv_offloading_size, engine.kv_offloading_backend) == (64, "native")

@@ -5,6 +5,13 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from slipstream.config.base import BaseConfig
+from slipstream.config.inference_checks import check_inference_options
+from slipstream.config.inference_options import (
+    All2AllBackend,
+    EPLBConfig,
+    KVCacheOffloadConfig,
+    Quantization,
+)
 from slipstream.config.shared import ModelConfig
 from slipstream.config.weights import WeightsConfig
 
@@ -17,9 +24,23 @@ OWN_FLAGS = {
     "-dp": "inference.data_parallel_size",
     "--weight-transfer-config": "weights (Slipstream's weight-transfer backend is always used)",
     "--enable-return-routed-experts": "inference.enable_return_routed_experts",
+    "--quantization": "inference.quantization",
+    "-q": "inference.quantization",
+    "--enable-expert-parallel": "inference.enable_expert_parallel",
+    "--no-enable-expert-parallel": "inference.enable_expert_parallel",
+    "-ep": "inference.enable_expert_parallel",
+    "--all2all-backend": "inference.all2all_backend",
+    "--enable-eplb": "inference.enable_eplb",
+    "--no-enable-eplb": "inference.enable_eplb",
+    "--eplb-config": "inference.eplb",
+    "--enable-dbo": "inference.enable_dbo",
+    "--no-enable-dbo": "inference.enable_dbo",
 }
 """vLLM flags Slipstream sets from its own fields (flag -> the field to set instead): inference.extra_args must not
 repeat them."""
+
+OFFLOAD_FLAGS = ("--kv-transfer-config", "--kv-offloading-size", "--kv-offloading-backend")
+"""vLLM flags inference.kv_cache_offload sets: extra_args may pass them (another KV connector) only without it."""
 
 
 class InferenceConfig(BaseConfig):
@@ -86,6 +107,43 @@ class InferenceConfig(BaseConfig):
     vLLM's CPU build crashes on seeded requests with it on, so `slipstream rl` sets false when
     orchestrator.seed_requests is on and this is left unset."""
 
+    quantization: Quantization | None = None
+    """Online quantization of the served weights (`--quantization`), e.g. `fp8` (per-tensor scales) or
+    `fp8_per_block` (128x128 blocks, DeepGEMM's layout); every weight update from the trainer is quantized again as
+    it loads. None: serve in model.dtype (checkpoints quantized offline are detected by vLLM without it)."""
+
+    deep_gemm: bool | None = None
+    """DeepGEMM kernels for FP8 GEMMs and MoE (VLLM_USE_DEEP_GEMM and VLLM_MOE_USE_DEEP_GEMM = 1 / 0; GPU builds
+    with the deep_gemm package). None: vLLM's default (used where installed and supported)."""
+
+    enable_expert_parallel: bool = False
+    """Split MoE experts over the engine's ranks (`--enable-expert-parallel`: tensor x data parallel ranks form one
+    expert-parallel group) instead of tensor-parallel sharding of every expert. Needed by all2all_backend,
+    enable_eplb and enable_dbo."""
+
+    all2all_backend: All2AllBackend | None = None
+    """How expert parallelism dispatches tokens between data-parallel ranks (`--all2all-backend`):
+    allgather_reducescatter (vLLM's default; works everywhere), deepep_high_throughput (prefill-heavy batches,
+    DeepEP), deepep_low_latency (decode, DeepEP with CUDA graphs), or another vLLM backend. Needs
+    enable_expert_parallel and data-parallel engines. None: vLLM's default."""
+
+    enable_eplb: bool = False
+    """Expert-parallel load balancing (`--enable-eplb`, configured by inference.eplb): vLLM moves (and with
+    eplb.num_redundant_experts replicates) hot experts between ranks. Needs enable_expert_parallel, more than one
+    GPU (tensor x data parallel > 1) and a GPU build."""
+
+    eplb: EPLBConfig = EPLBConfig()
+    """Expert-parallel load balancing settings (`--eplb-config`), used with enable_eplb."""
+
+    enable_dbo: bool = False
+    """Dual batch overlap (`--enable-dbo`): each batch is split in two micro-batches so one's all-to-all overlaps
+    the other's compute. Needs enable_expert_parallel, data-parallel engines and all2all_backend one of
+    deepep_high_throughput, deepep_low_latency, nixl_ep (GPU builds)."""
+
+    kv_cache_offload: KVCacheOffloadConfig | None = None
+    """KV-cache offload below GPU memory: vLLM's native connector (CPU, or CPU + disk tiering) or a Mooncake store
+    shared by the inference nodes. None: off (KV lives in GPU memory only)."""
+
     extra_args: list[str] = []
     """Extra command-line arguments appended to the vLLM server command, e.g. `["--max-num-batched-tokens", "4096"]`."""
 
@@ -97,6 +155,15 @@ class InferenceConfig(BaseConfig):
                 raise ValueError(
                     f"inference.extra_args sets {flag}, which Slipstream sets itself; use {OWN_FLAGS[flag]} instead"
                 )
+            if flag in OFFLOAD_FLAGS and self.kv_cache_offload is not None:
+                raise ValueError(
+                    f"inference.extra_args sets {flag}, which inference.kv_cache_offload sets; drop one of them"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _check_moe_options(self) -> "InferenceConfig":
+        check_inference_options(self)
         return self
 
     @property

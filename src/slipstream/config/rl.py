@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field, model_validator
 from slipstream.config.base import BaseConfig
 from slipstream.config.deployment import DeploymentConfig
 from slipstream.config.inference import InferenceConfig
+from slipstream.config.kubernetes import KubernetesConfig
 from slipstream.config.monitor import MonitorConfig
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.config.shared import CheckpointConfig, ModelConfig
@@ -104,6 +105,9 @@ class RLConfig(BaseConfig):
     (trainer on monitor.prometheus_port, orchestrator on the next port); copied into both sections."""
     slurm: SlurmConfig | None = None
     """Present: submit the run as a Slurm job (see launch/slurm.py) instead of running it on this machine."""
+
+    kubernetes: KubernetesConfig = KubernetesConfig()
+    """Used only by `slipstream k8s render` (Kubernetes manifests for this run, docs/kubernetes.md)."""
 
     dry_run: bool = False
     """`--dry-run` (with [slurm]): write the job script and the node configs, print the sbatch command, submit

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from slipstream.config.inference import InferenceConfig
 from slipstream.inference.admin_token import ensure_admin_token
+from slipstream.inference.options import setup_mooncake_config
 from slipstream.inference.server import build_vllm_argv, build_vllm_env
 from slipstream.launch.plan import ProcessSpec
 from slipstream.launch.supervisor import ChildFailed, Supervisor, tail
@@ -47,7 +48,8 @@ def serve_model(config: InferenceConfig, model_path: Path, log_path: Path, timeo
     """
     argv = build_eval_server_argv(config, model_path)
     ensure_admin_token()  # the server requires one; this process's InferenceClient sends it
-    spec = ProcessSpec("inference", argv, log_path, build_vllm_env(config, base={}))
+    env = {**build_vllm_env(config, base={}), **setup_mooncake_config(config)}
+    spec = ProcessSpec("inference", argv, log_path, env)
     sup = Supervisor()
     with _sigterm_as_interrupt():
         try:

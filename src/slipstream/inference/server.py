@@ -8,6 +8,7 @@ from pathlib import Path
 
 from slipstream.config.inference import InferenceConfig
 from slipstream.inference.instance import INSTANCE_ENV, new_instance_id
+from slipstream.inference.options import option_args, option_env, setup_mooncake_config
 from slipstream.inference.vllm_plugin import ENGINE_BACKEND
 
 ADMIN_MIDDLEWARE = "slipstream.inference.auth.AdminTokenMiddleware"
@@ -48,7 +49,7 @@ def build_vllm_argv(config: InferenceConfig, model_path: Path) -> list[str]:
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
     if config.device == "cuda" or (config.device == "auto" and _has_cuda()):
         argv += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
-    return argv + list(config.extra_args)
+    return argv + option_args(config) + list(config.extra_args)
 
 
 def build_vllm_env(config: InferenceConfig, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -61,6 +62,7 @@ def build_vllm_env(config: InferenceConfig, base: dict[str, str] | None = None) 
         VLLM_CPU_OMP_THREADS_BIND=config.cpu_threads_bind,
         VLLM_CONFIGURE_LOGGING="1",
     )
+    env.update(option_env(config))  # DeepGEMM on/off
     env[INSTANCE_ENV] = new_instance_id()  # see slipstream.inference.instance
     return env
 
@@ -89,4 +91,5 @@ def run_inference(config: InferenceConfig) -> int:
     model_path = resolve_model_config(config.model)
     argv = build_vllm_argv(config, model_path)
     print("starting vLLM:", " ".join(argv), flush=True)
-    os.execve(sys.executable, argv, build_vllm_env(config))
+    env = {**build_vllm_env(config), **setup_mooncake_config(config)}
+    os.execve(sys.executable, argv, env)

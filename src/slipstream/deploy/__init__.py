@@ -1,0 +1,1 @@
+"""Cluster deployments rendered from a run's config (Kubernetes manifests)."""
