@@ -147,3 +147,15 @@ def test_launcher_resolves_the_resume_step_and_prepares_the_run(tmp_path, capsys
     fresh = prepare_resume_run(_rl_config(tmp_path / "new", "--resume"))
     assert fresh.trainer.resume_step is None and not fresh.resume
     assert "no committed checkpoint" in capsys.readouterr().out
+
+
+def test_resume_applies_the_retention_a_killed_run_did_not_get_to(tmp_path, capsys):
+    """Found by benchmarks/chaos.py: a run killed after committing its last step but before pruning the one before
+    kept that checkpoint forever (a run resumed at its last step commits nothing more, so never prunes)."""
+    _write_run(tmp_path, 4)
+    _commit(tmp_path, 2, 3, 4)  # keep_last = 1, keep_every = 2: step 3 should have gone when step 4 was committed
+    retention = ["--checkpoint.keep-last", "1", "--checkpoint.keep-every", "2"]
+    config = prepare_resume_run(_rl_config(tmp_path, "--resume", *retention))
+    assert config.resume_step == 4
+    assert committed_run_steps(tmp_path) == [2, 4] and not step_dir(tmp_path, 3).exists()
+    assert "checkpoints/step_3 (beyond checkpoint.keep_last / keep_every)" in capsys.readouterr().out

@@ -153,3 +153,26 @@ def test_first_error_finds_the_root_cause_under_torchrun_noise(tmp_path):
     )
     log.write_text("all fine\nError rate: low\n")
     assert first_error(log) is None
+
+
+def test_a_failure_is_explained_by_this_launchs_lines_not_an_earlier_launchs(tmp_path):
+    """Logs are appended across launches (resume): found by benchmarks/chaos.py, a resumed run whose trainer was
+    SIGKILLed named the SIGTERM that an earlier launch's trainer got as its "first error"."""
+    from slipstream.launch.supervisor import first_error
+
+    spec = _spec(tmp_path, "trainer", "print('second launch'); raise SystemExit(4)", must_run_to_end=False)
+    spec.log_path.write_text("SignalException: Process 3945 got signal: 15\nearlier launch\n")
+    sup = Supervisor(grace_s=2)
+    sup.start(spec)
+    try:
+        with pytest.raises(ChildFailed) as info:
+            for _ in range(100):
+                sup.check()
+                time.sleep(0.05)
+    finally:
+        sup.stop_all()
+    failed = info.value
+    assert failed.log_offset == len("SignalException: Process 3945 got signal: 15\nearlier launch\n")
+    assert first_error(failed.log_path, failed.log_offset) is None
+    assert tail(failed.log_path, offset=failed.log_offset) == "second launch\n"
+    assert "earlier launch" in tail(failed.log_path)

@@ -18,7 +18,7 @@ from slipstream.launch.plan import ProcessSpec, build_plan, resolve_config, writ
 from slipstream.launch.restarts import InferenceRestarts
 from slipstream.launch.supervisor import ChildFailed, Supervisor, first_error, tail
 from slipstream.rundir import RunDir, RunLock, RunLockedError, launcher_env, wait_no_run_processes
-from slipstream.transport.checkpoints import prepare_resume, resolve_run_step
+from slipstream.transport.checkpoints import committed_run_steps, prepare_resume, prune_checkpoints, resolve_run_step
 from slipstream.transport.weights import is_ready
 
 EARLIER_RUN_EXIT_S = 3.0
@@ -85,8 +85,8 @@ def _run_locked(config: RLConfig, run: RunDir) -> int:
             _print_heldout(config.output_dir)
         return 0
     except ChildFailed as e:
-        _say(f"error: {e}; last lines of its log:\n{tail(e.log_path)}", err=True)
-        if (cause := first_error(e.log_path)) is not None:
+        _say(f"error: {e}; last lines of its log:\n{tail(e.log_path, offset=e.log_offset)}", err=True)
+        if (cause := first_error(e.log_path, e.log_offset)) is not None:
             _say(f"first error in {e.log_path.name}: {cause}", err=True)
         return 1
     except TimeoutError as e:
@@ -140,6 +140,13 @@ def prepare_resume_run(config: RLConfig) -> RLConfig:
             f"{step}; resume from another committed step (--resume-step)"
         )
     removed = prepare_resume(config.output_dir, step or 0)
+    # a run killed between a commit and the pruning after it would keep the extra checkpoint forever if no later
+    # one is committed (a run resumed at its last step): apply the retention policy here too
+    ckpt = config.checkpoint
+    pruned = prune_checkpoints(
+        config.output_dir, committed_run_steps(config.output_dir), ckpt.keep_last, ckpt.keep_every
+    )
+    removed += [f"checkpoints/step_{s} (beyond checkpoint.keep_last / keep_every)" for s in pruned]
     dropped = f"; removed {', '.join(removed)}" if removed else ""
     if step is None:
         _say(f"--resume: no committed checkpoint in {run.checkpoints_root}; starting at step 0{dropped}")

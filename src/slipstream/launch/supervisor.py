@@ -32,8 +32,11 @@ def _die_with_parent() -> None:
 class ChildFailed(RuntimeError):
     """A child process exited when it should not have."""
 
-    def __init__(self, name: str, returncode: int, log_path: Path):
+    def __init__(self, name: str, returncode: int, log_path: Path, log_offset: int = 0):
         self.name, self.returncode, self.log_path = name, returncode, log_path
+        self.log_offset = log_offset
+        """Where this start of the child began writing: logs are appended to across launches (resume) and
+        restarts, and the failure is explained by this start's lines only."""
         how = f"was killed by signal {-returncode}" if returncode < 0 else f"exited with code {returncode}"
         super().__init__(f"{name} {how} (log: {log_path})")
 
@@ -47,6 +50,8 @@ class Supervisor:
         """Variables given to every child (e.g. the run's environment marker, rundir.launcher_env), under each
         spec's own."""
         self.procs: dict[str, subprocess.Popen] = {}
+        self.log_offsets: dict[str, int] = {}
+        """Per child: size of its log when it was (last) started."""
         self.specs: dict[str, ProcessSpec] = {}
         self.descendants: dict[str, dict[int, float]] = {}
         """Per child: pid -> create time of every process seen below it (a pid is only signalled if it is still
@@ -55,6 +60,7 @@ class Supervisor:
     def start(self, spec: ProcessSpec) -> None:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(spec.log_path, "ab") as log:
+            self.log_offsets[spec.name] = log.seek(0, os.SEEK_END)
             self.procs[spec.name] = subprocess.Popen(
                 spec.argv,
                 stdout=log,
@@ -76,7 +82,7 @@ class Supervisor:
             if rc is None or name in ignore:
                 continue
             if rc != 0 or self.specs[name].must_run_to_end:
-                raise ChildFailed(name, rc, self.specs[name].log_path)
+                raise ChildFailed(name, rc, self.specs[name].log_path, self.log_offsets.get(name, 0))
             finished.append(name)
         return finished
 
@@ -145,22 +151,25 @@ _ERROR_LINE = re.compile(r"^[\w.]*(?:Error|Exception)(?::\s|:$)")
 """A Python exception line (`OSError: ...`, `safetensors._safetensors_rust.SafetensorError: ...`)."""
 
 
-def first_error(path: Path) -> str | None:
-    """The first exception line of a log (the root cause, before launcher wrappers such as torchrun repeat it in
-    their own terms), or None."""
-    try:
-        with open(path, errors="replace") as f:
-            for line in f:
-                if _ERROR_LINE.match(line) and "ChildFailedError" not in line:
-                    return line.rstrip()
-    except FileNotFoundError:
-        return None
+def first_error(path: Path, offset: int = 0) -> str | None:
+    """The first exception line of a log from byte `offset` on (the root cause, before launcher wrappers such as
+    torchrun repeat it in their own terms), or None."""
+    for line in _log_lines(path, offset) or []:
+        if _ERROR_LINE.match(line) and "ChildFailedError" not in line:
+            return line.rstrip()
     return None
 
 
-def tail(path: Path, num_lines: int = 30) -> str:
+def tail(path: Path, num_lines: int = 30, offset: int = 0) -> str:
+    """The last `num_lines` lines of a log from byte `offset` on."""
+    lines = _log_lines(path, offset)
+    return "(no log written)\n" if lines is None else "".join(deque(lines, maxlen=num_lines))
+
+
+def _log_lines(path: Path, offset: int) -> list[str] | None:
     try:
-        with open(path, errors="replace") as f:
-            return "".join(deque(f, maxlen=num_lines))
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace").splitlines(keepends=True)
     except FileNotFoundError:
-        return "(no log written)\n"
+        return None

@@ -35,6 +35,14 @@ class InferenceUnavailable(InferenceError):
     weights): wait until it is back and re-establish the served weights before sending new requests."""
 
 
+class WeightUpdateOpen(InferenceError):
+    """/start_weight_update refused: the server has a weight update open, left by an orchestrator that died between
+    /start_weight_update and /finish_weight_update on a server that outlived it (another node, an external server).
+    vLLM answers HTTP 500 (its worker's RuntimeError), the simulator 400: told apart by vLLM's message."""
+
+
+_WEIGHT_UPDATE_OPEN = "weight update is already active"
+
 _UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 """Transport errors that mean the server is gone (a read timeout is not one: the server may just be slow)."""
 
@@ -142,6 +150,8 @@ class InferenceClient:
         except httpx.HTTPError as e:
             raise InferenceError(f"{where} failed: {type(e).__name__}: {e}") from e
         self._check_instance(response, expected, where)
+        if response.status_code != 200 and path == "/start_weight_update" and _WEIGHT_UPDATE_OPEN in response.text:
+            raise WeightUpdateOpen(f"{where} returned HTTP {response.status_code}: {response.text[:500]}")
         if response.status_code >= 500:
             raise self._unavailable(f"{where} returned HTTP {response.status_code}: {response.text[:500]}")
         if response.status_code != 200:
@@ -296,7 +306,7 @@ class InferenceClient:
                 on_paused()
             if init_info is not None:
                 await self.post("/init_weight_transfer_engine", json={"init_info": init_info})
-            await self.post("/start_weight_update")
+            await self._start_weight_update(version)
             await self.post("/update_weights", json={"update_info": update_info})
             await self.post("/finish_weight_update", json={"weight_version": str(version)})
             reset = await self.post("/reset_prefix_cache")
@@ -307,6 +317,16 @@ class InferenceClient:
         return WeightLoad(
             seconds=time.perf_counter() - start, prefix_cache_reset=bool((reset or {}).get("success", False))
         )
+
+    async def _start_weight_update(self, version: int) -> None:
+        """/start_weight_update; a session left open by a dead orchestrator is closed first (its partial weights,
+        served by no request while paused, are all overwritten by this load), else resume could never load."""
+        try:
+            await self.post("/start_weight_update")
+        except WeightUpdateOpen as e:
+            print(f"[orchestrator] closing a weight update an earlier orchestrator left open ({e})", flush=True)
+            await self.post("/finish_weight_update", json={"weight_version": str(version)})
+            await self.post("/start_weight_update")
 
 
 def _json_reply(response: httpx.Response, where: str) -> Any:
