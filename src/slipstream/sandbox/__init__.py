@@ -1,5 +1,6 @@
-"""Sandbox for tool calls and model-written code: a separate process with no network, CPU / memory / wall-time /
-output limits and one writable directory (bubblewrap), refusing to run untrusted code where it cannot isolate it.
+"""Sandbox for tool calls and model-written code: a separate process with no network, CPU / memory / process limits
+for its whole tree (a cgroup per command), wall-time / output limits, a seccomp filter and one writable directory
+(bubblewrap), refusing to run untrusted code where it cannot isolate it. What applies where: docs/sandbox.md.
 
     sandbox = Sandbox(workdir, SandboxLimits(wall_seconds=30))
     result = await sandbox.arun("python3 -m unittest -q")   # or sandbox.run([...]) outside an event loop

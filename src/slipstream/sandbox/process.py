@@ -1,15 +1,22 @@
-"""Running one sandbox command: wall-clock limit, capped output capture, and killing the whole process group."""
+"""Running one sandbox command: wall-clock limit, capped output capture, the command's cgroup (joined before it runs
+anything, watched for OOM kills and CPU time) and killing the whole process group and cgroup."""
 
 import asyncio
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from slipstream.sandbox.cgroup import CommandCgroup
+
 KILL_GRACE_S = 5.0
 """How long to wait for the pipes to close after the process group was killed."""
 _CHUNK = 65536
+_WATCH_S = 0.05
+_GATE = 'read -r go <&{fd} && [ "$go" = go ] || exit 125; exec "$@" {fd}<&-'
+"""Held by the first process until the parent has moved it into the command's cgroup (bash: fds above 9)."""
 
 
 @dataclass(frozen=True)
@@ -21,11 +28,15 @@ class SandboxResult:
     stderr: str
     timed_out: bool
     killed_reason: str | None
-    """Which limit ended the command: "wall_time", "cpu_time", "output_limit", "file_size"; None otherwise
-    (a memory limit makes allocations fail inside the program, it does not kill it)."""
+    """Which limit ended the command: "wall_time", "cpu_time", "memory" (the whole tree reached its cgroup memory
+    cap), "output_limit", "file_size"; None otherwise (a per-process memory limit makes allocations fail inside the
+    program, it does not kill it)."""
     truncated: bool = False
     """stdout or stderr was cut at `max_output_bytes`."""
     duration_s: float = 0.0
+    limits_scope: str = "per_process"
+    """How memory, processes and CPU were capped: "cgroup_v2" / "cgroup_v1" (the whole tree) or "per_process"
+    (rlimits only: a command may use memory_mb per process, up to max_processes of them)."""
 
     @property
     def ok(self) -> bool:
@@ -33,8 +44,9 @@ class SandboxResult:
 
 
 class _Killer:
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
+    def __init__(self, process: asyncio.subprocess.Process, cgroup: CommandCgroup | None) -> None:
         self.process = process
+        self.cgroup = cgroup
         self.reason: str | None = None
 
     def kill(self, reason: str) -> None:
@@ -48,6 +60,42 @@ class _Killer:
             os.killpg(self.process.pid, signal.SIGKILL)
         except ProcessLookupError:  # already gone between the check and the kill
             pass
+        if self.cgroup is not None:
+            self.cgroup.kill()
+
+
+async def _watch(cgroup: CommandCgroup, killer: _Killer, cpu_seconds: float) -> None:
+    """Kill the whole tree once the kernel OOM-killed any of it, or once its CPU time passes the limit."""
+    while True:
+        await asyncio.sleep(_WATCH_S)
+        if cgroup.oom_kills():
+            return killer.kill("memory")
+        used = cgroup.cpu_seconds()
+        if used is not None and used > cpu_seconds:
+            return killer.kill("cpu_time")
+
+
+async def _spawn(
+    argv: list[str], cgroup: CommandCgroup | None, popen_kwargs: dict[str, object]
+) -> asyncio.subprocess.Process:
+    """Start `argv` in its own session; with a cgroup, it waits at a gate until it has been moved into it."""
+    if cgroup is None:
+        return await asyncio.create_subprocess_exec(*argv, **popen_kwargs)  # type: ignore[arg-type]
+    gate_r, gate_w = os.pipe()
+    try:
+        bash = shutil.which("bash") or "/bin/bash"
+        gated = [bash, "-c", _GATE.format(fd=gate_r), "slipstream-sandbox-gate", *argv]
+        pass_fds = (*popen_kwargs.pop("pass_fds", ()), gate_r)  # type: ignore[misc]
+        process = await asyncio.create_subprocess_exec(*gated, pass_fds=pass_fds, **popen_kwargs)  # type: ignore[arg-type]
+        os.close(gate_r)
+        gate_r = -1
+        cgroup.add(process.pid)  # if this fails the gate closes unopened and the process exits (125)
+        os.write(gate_w, b"go\n")
+        return process
+    finally:
+        for fd in (gate_r, gate_w):
+            if fd >= 0:
+                os.close(fd)
 
 
 class _Capture:
@@ -118,20 +166,17 @@ async def run_process(
     wall_seconds: float,
     max_output_bytes: int,
     popen_kwargs: dict[str, object],
+    cgroup: CommandCgroup | None = None,
+    cpu_seconds: float = float("inf"),
+    limits_scope: str = "per_process",
 ) -> SandboxResult:
-    """Run `argv` in its own session; kill the session at `wall_seconds` or when a stream exceeds the cap."""
+    """Run `argv` in its own session (and `cgroup`, which the caller creates and removes); kill the session and
+    cgroup at `wall_seconds`, when a stream exceeds the cap, or when the cgroup reports an OOM kill or too much CPU."""
     start = time.perf_counter()
-    process = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        cwd=cwd,
-        env=env,
-        start_new_session=True,
-        **popen_kwargs,  # type: ignore[arg-type]
-    )
-    killer = _Killer(process)
+    pipe = asyncio.subprocess.PIPE
+    kwargs = dict(popen_kwargs, stdin=pipe, stdout=pipe, stderr=pipe, cwd=cwd, env=env, start_new_session=True)
+    process = await _spawn(argv, cgroup, kwargs)
+    killer = _Killer(process, cgroup)
     out, err = _Capture(), _Capture()
     overflow = lambda: killer.kill("output_limit")  # noqa: E731
     tasks = [
@@ -140,6 +185,7 @@ async def run_process(
         asyncio.ensure_future(process.wait()),
         asyncio.ensure_future(_feed(process.stdin, stdin)),  # type: ignore[arg-type]
     ]
+    watcher = asyncio.ensure_future(_watch(cgroup, killer, cpu_seconds)) if cgroup is not None else None
     try:
         await _wait_or_kill(tasks, killer, wall_seconds)
     except BaseException:  # cancelled by the caller: nothing outlives its command, no pipe outlives the loop
@@ -147,12 +193,13 @@ async def run_process(
         _close_transport(process)
         raise
     finally:
-        for task in tasks:
+        for task in [*tasks, *([watcher] if watcher else [])]:
             task.cancel()
     returncode = await process.wait() if process.returncode is None else process.returncode
     killer.kill_group()
     returncode = 128 - returncode if returncode < 0 else returncode
-    reason = killer.reason or _limit_reason(returncode)
+    oom = cgroup is not None and cgroup.oom_kills() > 0  # also when the command survived losing a process to it
+    reason = killer.reason or ("memory" if oom else _limit_reason(returncode))
     return SandboxResult(
         returncode=returncode,
         stdout=out.data.decode(errors="replace"),
@@ -161,4 +208,5 @@ async def run_process(
         killed_reason=reason,
         truncated=out.cut or err.cut,
         duration_s=time.perf_counter() - start,
+        limits_scope=limits_scope,
     )
