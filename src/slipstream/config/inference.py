@@ -5,7 +5,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from slipstream.config.base import BaseConfig
-from slipstream.config.inference_checks import check_inference_options
+from slipstream.config.inference_checks import check_deployment, check_inference_options
+from slipstream.config.inference_deployment import EngineSlot, InferenceDeploymentConfig, engine_slots, uses_router
 from slipstream.config.inference_options import (
     All2AllBackend,
     EPLBConfig,
@@ -147,6 +148,11 @@ class InferenceConfig(BaseConfig):
     extra_args: list[str] = []
     """Extra command-line arguments appended to the vLLM server command, e.g. `["--max-num-batched-tokens", "4096"]`."""
 
+    deployment: InferenceDeploymentConfig = InferenceDeploymentConfig()
+    """Deployment shape: single_node (one or more engines on this node, behind a local vllm-router when more than
+    one), multi_node (replicas on every node, or wide-EP with enable_expert_parallel), disaggregated (prefill /
+    decode engines over NIXL, the router in P/D mode)."""
+
     @model_validator(mode="after")
     def _check_extra_args(self) -> "InferenceConfig":
         for arg in self.extra_args:
@@ -164,7 +170,28 @@ class InferenceConfig(BaseConfig):
     @model_validator(mode="after")
     def _check_moe_options(self) -> "InferenceConfig":
         check_inference_options(self)
+        check_deployment(self)
         return self
+
+    @property
+    def wide_ep(self) -> bool:
+        """multi_node with expert parallelism: one data-parallel group spanning the inference nodes."""
+        return self.deployment.kind == "multi_node" and self.enable_expert_parallel
+
+    @property
+    def engines(self) -> list[EngineSlot]:
+        """Every vLLM engine of the deployment, on every node."""
+        return engine_slots(self.deployment, self.port, self.wide_ep)
+
+    @property
+    def uses_router(self) -> bool:
+        """Whether a vllm-router on the head node fronts the engines (at inference.port)."""
+        return uses_router(self.deployment, self.wide_ep)
+
+    @property
+    def engine_urls(self) -> list[str]:
+        """Base URLs of the engines' API servers: the orchestrator sends admin calls to each one directly."""
+        return [e.url for e in self.engines if e.serves_http]
 
     @property
     def url(self) -> str:

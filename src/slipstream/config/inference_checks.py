@@ -86,3 +86,34 @@ def _check_gpu_only(config: "InferenceConfig") -> None:
             f"inference.{used[0]} needs vLLM's GPU build, but inference runs on CPU (inference.device = 'cpu', or no "
             "GPU for inference on this node); drop it, or give inference GPUs"
         )
+
+
+def check_deployment(config: "InferenceConfig") -> None:
+    """Raise ValueError on a deployment shape vLLM or the router cannot run with the other inference options."""
+    from slipstream.config.inference import OWN_FLAGS
+
+    deployment = config.deployment
+    if config.wide_ep and deployment.num_replicas != 1:
+        raise ValueError(
+            "inference.deployment.kind = 'multi_node' with inference.enable_expert_parallel runs one data-parallel "
+            "group spanning the nodes (wide-EP), so inference.deployment.num_replicas must be 1; set it to 1, or "
+            "inference.enable_expert_parallel = false for independent replicas"
+        )
+    if deployment.kind != "disaggregated":
+        return
+    if config.kv_cache_offload is not None:
+        raise ValueError(
+            "inference.deployment.kind = 'disaggregated' moves KV between engines with the NIXL connector, which "
+            "takes vLLM's --kv-transfer-config; inference.kv_cache_offload needs it too: drop one of them"
+        )
+    for where, args in (
+        ("inference.extra_args", config.extra_args),
+        ("inference.deployment.prefill.extra_args", deployment.prefill.extra_args),
+        ("inference.deployment.decode.extra_args", deployment.decode.extra_args),
+    ):
+        for arg in args:
+            flag = arg.split("=", 1)[0].replace("_", "-")
+            if flag in ("--kv-transfer-config", "--kv-offloading-size", "--kv-offloading-backend"):
+                raise ValueError(f"{where} sets {flag}, which the disaggregated deployment sets (NIXL); drop it")
+            if flag in OWN_FLAGS and where != "inference.extra_args":
+                raise ValueError(f"{where} sets {flag}, which Slipstream sets itself; use {OWN_FLAGS[flag]} instead")

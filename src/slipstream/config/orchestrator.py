@@ -222,7 +222,12 @@ class OrchestratorConfig(BaseConfig):
     nothing of later steps (`slipstream rl --resume` prepares it)."""
 
     inference_url: str = "http://127.0.0.1:8000"
-    """Base URL of the vLLM server."""
+    """Base URL of the vLLM server, or of the vllm-router in front of several engines (inference.deployment)."""
+
+    inference_engine_urls: list[str] = []
+    """Base URLs of every engine's API server when a router fronts them: admin calls (pause, weight transfer, resume,
+    probe check) go to each directly (through the router they would reach one only). Empty: inference_url is the one
+    engine. `slipstream rl` fills it from inference.deployment."""
 
     batch_size: int = Field(16, ge=1)
     """Rollouts per training step."""

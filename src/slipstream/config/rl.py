@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field, model_validator
 from slipstream.config.base import BaseConfig
 from slipstream.config.deployment import DeploymentConfig
 from slipstream.config.inference import InferenceConfig
+from slipstream.config.inference_deployment import InferenceDeploymentConfig, engine_slots, uses_router
 from slipstream.config.kubernetes import KubernetesConfig
 from slipstream.config.monitor import MonitorConfig
 from slipstream.config.orchestrator import OrchestratorConfig
@@ -141,6 +142,8 @@ class RLConfig(BaseConfig):
             host = inf.get("host", "127.0.0.1")
             host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
             orch["inference_url"] = f"http://{host}:{inf.get('port', 8000)}"
+        if "inference_engine_urls" not in orch:
+            orch["inference_engine_urls"] = _engine_urls(inf)
         trainer = _table(data.get("trainer"))
         cp = (_table((trainer or {}).get("parallel")) or {}).get("cp", 1)
         # The cp ranks of a group share one batch: the orchestrator writes one per group.
@@ -293,6 +296,20 @@ def _known_trainer_procs(launch: dict[str, Any], deployment: dict[str, Any]) -> 
         return 1  # no trainer on this node: _check_nodes asks for launch.num_trainer_procs where it matters
     known = deployment_config.known_trainer_gpus()
     return None if known is None else max(known, 1)
+
+
+def _engine_urls(inf: dict) -> list[str]:
+    """The engines' URLs when a router fronts them (else []); [] too when the inference table is invalid (its own
+    validation reports it)."""
+    try:
+        deployment = InferenceDeploymentConfig.model_validate(inf.get("deployment") or {})
+    except ValueError:
+        return []
+    wide_ep = deployment.kind == "multi_node" and inf.get("enable_expert_parallel") is True
+    if not uses_router(deployment, wide_ep):
+        return []
+    port = inf.get("port", 8000)
+    return [s.url for s in engine_slots(deployment, port if isinstance(port, int) else 8000, wide_ep) if s.serves_http]
 
 
 def _table(value: Any) -> dict[str, Any] | None:

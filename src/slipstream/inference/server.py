@@ -89,6 +89,10 @@ def run_inference(config: InferenceConfig) -> int:
         )
         return 2
     model_path = resolve_model_config(config.model)
+    if len(config.engines) > 1 or config.uses_router:
+        from slipstream.inference.group import run_inference_group
+
+        return run_inference_group(config, model_path)  # several engines (and the router) on this node
     argv = build_vllm_argv(config, model_path)
     print("starting vLLM:", " ".join(argv), flush=True)
     env = {**build_vllm_env(config), **setup_mooncake_config(config)}

@@ -184,7 +184,13 @@ def inference_sizes(inference: InferenceConfig, gpus: list[int], num_attention_h
         )
     if not gpus:
         return tp, dp or 1
-    n = len(gpus)
+    n, engines = len(gpus), _engines_here(inference)
+    if n % engines != 0:
+        raise PlacementError(
+            f"the {engines} vLLM engines of this node (inference.deployment) must share the {n} GPUs inference gets "
+            f"({gpus}) evenly; change deployment.inference_gpus or inference.deployment"
+        )
+    n //= engines
     if dp is None:
         if n % tp != 0:
             raise PlacementError(
@@ -195,9 +201,16 @@ def inference_sizes(inference: InferenceConfig, gpus: list[int], num_attention_h
     if tp * dp != n:
         raise PlacementError(
             f"inference.tensor_parallel_size ({tp}) x inference.data_parallel_size ({dp}) = {tp * dp} must equal "
-            f"the {n} GPUs inference gets ({gpus}); change them or deployment.inference_gpus"
+            f"the {n} GPUs {'inference gets' if engines == 1 else 'each engine gets'} ({gpus}); change them or "
+            "deployment.inference_gpus"
         )
     return tp, dp
+
+
+def _engines_here(inference: InferenceConfig) -> int:
+    """vLLM engines on this node (inference.deployment), each on tensor x data parallel GPUs."""
+    rank = inference.deployment.node_rank
+    return max(1, sum(1 for engine in inference.engines if engine.node_rank == rank))
 
 
 def trainer_procs(config: RLConfig, gpus: list[int]) -> int:

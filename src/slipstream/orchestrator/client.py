@@ -16,12 +16,13 @@ import json
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from slipstream.config.inference_deployment import SESSION_HEADER
 from slipstream.inference.admin_token import admin_headers
 from slipstream.inference.instance import INSTANCE_HEADER
 
@@ -78,9 +79,16 @@ class WeightLoad:
 
 
 class InferenceClient:
-    """Async client of one vLLM OpenAI-compatible server. Use as `async with InferenceClient(...) as client`."""
+    """Async client of one vLLM OpenAI-compatible server, or of a vllm-router in front of several engines
+    (`engine_urls`): generation goes to `base_url`, admin calls (pause, weight transfer, resume, world size, and the
+    probe check through `admin_clients`) to every engine directly. Use as `async with InferenceClient(...) as c`.
 
-    def __init__(self, base_url: str, model_name: str, request_timeout_s: float) -> None:
+    Behind a router, `instance` is the engines' instance ids joined by commas: a reply through the router from any
+    other start of an engine means that engine restarted."""
+
+    def __init__(
+        self, base_url: str, model_name: str, request_timeout_s: float, engine_urls: Sequence[str] = ()
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model_name = model_name
         self.request_timeout_s = request_timeout_s
@@ -94,6 +102,24 @@ class InferenceClient:
         """Why the server was lost; None while it is available. Generation requests are refused while set."""
         self.on_unavailable: Callable[[InferenceUnavailable], None] = lambda error: None
         """Called whenever a call finds the server unavailable (the weight relay starts its recovery)."""
+        urls = [u.rstrip("/") for u in engine_urls]
+        self.engines: list[InferenceClient] = (
+            [] if urls in ([], [self.base_url]) else [InferenceClient(u, model_name, request_timeout_s) for u in urls]
+        )
+        """One client per engine behind the router (empty: base_url is the one engine)."""
+        for engine in self.engines:
+            engine.on_unavailable = self._engine_lost
+        self._world_sizes: list[int] = []
+
+    @property
+    def admin_clients(self) -> "list[InferenceClient]":
+        """The clients admin calls go to: every engine behind the router, else this one."""
+        return self.engines or [self]
+
+    def _engine_lost(self, error: InferenceUnavailable) -> None:
+        if self.unavailable_reason is None:
+            self.unavailable_reason = str(error)
+        self.on_unavailable(error)
 
     @property
     def available(self) -> bool:
@@ -102,6 +128,8 @@ class InferenceClient:
     def mark_available(self) -> None:
         """The served weights are re-established on the server: generation requests may go out again."""
         self.unavailable_reason = None
+        for engine in self.engines:
+            engine.unavailable_reason = None
 
     def _unavailable(self, message: str) -> InferenceUnavailable:
         """Record that the server is lost (the first reason is kept) and return the error to raise."""
@@ -118,10 +146,10 @@ class InferenceClient:
         if got is None:
             return  # a server without the header (not started by `slipstream inference`): no restart detection
         if expected is None:
-            if self.instance is None:
+            if self.instance is None and not self.engines:  # behind a router, wait_healthy adopts every engine's
                 self.instance = got
             return
-        if got != expected:
+        if got not in expected.split(","):
             raise self._unavailable(
                 f"{where} was answered by inference instance {got}, not {expected} which holds the served weights: "
                 "the server restarted"
@@ -138,13 +166,21 @@ class InferenceClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        for engine in self.engines:
+            await engine.__aexit__(*exc)
         await self._http.aclose()
 
-    async def post(self, path: str, json: Any = None, params: Mapping[str, str] | None = None) -> Any:
+    async def post(
+        self,
+        path: str,
+        json: Any = None,
+        params: Mapping[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Any:
         """POST and return the decoded JSON body (None for an empty body); errors name the call and the reply."""
         where, expected = f"POST {self.base_url}{path}", self.instance
         try:
-            response = await self._http.post(path, json=json, params=params)
+            response = await self._http.post(path, json=json, params=params, headers=headers)
         except _UNREACHABLE as e:
             raise self._unavailable(f"{where} failed: {type(e).__name__}: {e}") from e
         except httpx.HTTPError as e:
@@ -181,7 +217,11 @@ class InferenceClient:
     ) -> str | None:
         """Block until GET /health answers 200 and return the answering server's instance id (None if it sends
         none); the first contact adopts it. Polls every `poll_s`, doubling up to `max_poll_s` (default: no
-        doubling). TimeoutError says which server was awaited, the last answer, and `hint` (what to check)."""
+        doubling). TimeoutError says which server was awaited, the last answer, and `hint` (what to check).
+        Behind a router: the router, then every engine (each adopts the instance that answers); returns their ids
+        joined by commas."""
+        if self.engines:
+            return await self._wait_engines_healthy(timeout_s, poll_s, max_poll_s, hint)
         deadline = time.monotonic() + timeout_s
         last = "no answer yet"
         delay = poll_s
@@ -204,6 +244,21 @@ class InferenceClient:
             await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic()) + 0.01))
             delay = min(delay * 2, max_poll_s) if max_poll_s is not None else delay
 
+    async def _wait_engines_healthy(
+        self, timeout_s: float, poll_s: float, max_poll_s: float | None, hint: str | None
+    ) -> str | None:
+        deadline = time.monotonic() + timeout_s
+        router = InferenceClient(self.base_url, self.model_name, self.request_timeout_s)
+        async with router:
+            await router.wait_healthy(timeout_s, poll_s, max_poll_s, hint)
+        instances = []
+        for engine in self.engines:
+            engine.instance = None  # a restarted engine is adopted anew
+            left = max(0.1, deadline - time.monotonic())
+            instances.append(await engine.wait_healthy(left, poll_s, max_poll_s, hint))
+        self.instance = None if None in instances else ",".join(str(i) for i in instances)
+        return self.instance
+
     def chat_body(self, messages: list[dict[str, Any]], sampling: Mapping[str, Any], n: int, cache_salt: str) -> dict:
         """Body of a chat completion with `n` samples returning token ids and per-token logprobs."""
         return {
@@ -217,13 +272,27 @@ class InferenceClient:
             "cache_salt": cache_salt,
         }
 
-    async def chat(self, messages: list[dict[str, Any]], sampling: Mapping[str, Any], n: int, cache_salt: str) -> dict:
-        """One non-streamed chat completion (token-in/token-out); the reply arrives whole when all samples end."""
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        sampling: Mapping[str, Any],
+        n: int,
+        cache_salt: str,
+        session: str | None = None,
+    ) -> dict:
+        """One non-streamed chat completion (token-in/token-out); the reply arrives whole when all samples end.
+        `session` (one per rollout): the router sends every request of a session to the same engine."""
         self._require_available(f"POST {self.base_url}/v1/chat/completions")
-        return await self.post("/v1/chat/completions", json=self.chat_body(messages, sampling, n, cache_salt))
+        body = self.chat_body(messages, sampling, n, cache_salt)
+        return await self.post("/v1/chat/completions", json=body, headers=_session_headers(session))
 
     async def stream_chat(
-        self, messages: list[dict[str, Any]], sampling: Mapping[str, Any], n: int, cache_salt: str
+        self,
+        messages: list[dict[str, Any]],
+        sampling: Mapping[str, Any],
+        n: int,
+        cache_salt: str,
+        session: str | None = None,
     ) -> AsyncIterator[dict]:
         """One streamed chat completion: yields each decoded `data:` chunk as it arrives, ending at `[DONE]`.
 
@@ -235,7 +304,8 @@ class InferenceClient:
         self._require_available(f"POST {where}")
         expected = self.instance
         try:
-            async with self._http.stream("POST", "/v1/chat/completions", json=body) as response:
+            headers = _session_headers(session)
+            async with self._http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
                 self._check_instance(response, expected, f"POST {where}")
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")
@@ -265,7 +335,11 @@ class InferenceClient:
         return parse_prompt_logprobs(reply, token_ids, f"{self.base_url}/v1/completions")
 
     async def get_world_size(self) -> int:
-        """Inference workers of the server across data-parallel replicas (vLLM's /get_world_size)."""
+        """Inference workers of the server across data-parallel replicas (vLLM's /get_world_size); behind a router,
+        the sum over the engines (each joins a weight broadcast at its own rank offset)."""
+        if self.engines:
+            self._world_sizes = list(await asyncio.gather(*(e.get_world_size() for e in self.engines)))
+            return sum(self._world_sizes)
         where, expected = f"GET {self.base_url}/get_world_size", self.instance
         try:
             response = await self._http.get("/get_world_size", params={"include_dp": "true"})
@@ -300,23 +374,42 @@ class InferenceClient:
         also counts as preemptions. With it, in-flight requests keep their KV and continue where they were.
         """
         start = time.perf_counter()
-        await self.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+        engines = self.admin_clients
         try:
+            await asyncio.gather(*(e.post("/pause", params={"mode": "keep", "clear_cache": "false"}) for e in engines))
             if on_paused is not None:
                 on_paused()
-            if init_info is not None:
-                await self.post("/init_weight_transfer_engine", json={"init_info": init_info})
-            await self._start_weight_update(version)
-            await self.post("/update_weights", json={"update_info": update_info})
-            await self.post("/finish_weight_update", json={"weight_version": str(version)})
-            reset = await self.post("/reset_prefix_cache")
+            resets = await asyncio.gather(
+                *(
+                    e._load_paused(version, update_info, self._engine_init_info(init_info, i))
+                    for i, e in enumerate(engines)
+                )
+            )
             if before_resume is not None:
                 before_resume()
         finally:
-            await self.post("/resume")
-        return WeightLoad(
-            seconds=time.perf_counter() - start, prefix_cache_reset=bool((reset or {}).get("success", False))
-        )
+            results = await asyncio.gather(*(e.post("/resume") for e in engines), return_exceptions=True)
+            if errors := [r for r in results if isinstance(r, BaseException)]:
+                raise errors[0]
+        return WeightLoad(seconds=time.perf_counter() - start, prefix_cache_reset=all(resets))
+
+    async def _load_paused(self, version: int, update_info: dict[str, Any], init_info: dict[str, Any] | None) -> bool:
+        """The load itself on one paused engine; whether its prefix cache was reset."""
+        if init_info is not None:
+            await self.post("/init_weight_transfer_engine", json={"init_info": init_info})
+        await self._start_weight_update(version)
+        await self.post("/update_weights", json={"update_info": update_info})
+        await self.post("/finish_weight_update", json={"weight_version": str(version)})
+        reset = await self.post("/reset_prefix_cache")
+        return bool((reset or {}).get("success", False))
+
+    def _engine_init_info(self, init_info: dict[str, Any] | None, index: int) -> dict[str, Any] | None:
+        """A broadcast session's init_info for engine `index`: its ranks follow those of the engines before it."""
+        if init_info is None or not self.engines:
+            return init_info
+        if len(self._world_sizes) != len(self.engines):
+            raise InferenceError("get_world_size() must precede a weight broadcast to several engines")
+        return {**init_info, "rank_offset": init_info.get("rank_offset", 1) + sum(self._world_sizes[:index])}
 
     async def _start_weight_update(self, version: int) -> None:
         """/start_weight_update; a session left open by a dead orchestrator is closed first (its partial weights,
@@ -327,6 +420,10 @@ class InferenceClient:
             print(f"[orchestrator] closing a weight update an earlier orchestrator left open ({e})", flush=True)
             await self.post("/finish_weight_update", json={"weight_version": str(version)})
             await self.post("/start_weight_update")
+
+
+def _session_headers(session: str | None) -> dict[str, str] | None:
+    return None if session is None else {SESSION_HEADER: session}
 
 
 def _json_reply(response: httpx.Response, where: str) -> Any:

@@ -32,7 +32,9 @@ def run_orchestrator(config: OrchestratorConfig) -> None:
 
 async def orchestrate(config: OrchestratorConfig) -> dict[str, float]:
     """The orchestrator's run; returns the final pipeline counters."""
-    async with InferenceClient(config.inference_url, config.model.name, config.request_timeout_s) as client:
+    async with InferenceClient(
+        config.inference_url, config.model.name, config.request_timeout_s, config.inference_engine_urls
+    ) as client:
         await client.wait_healthy(config.health_timeout_s)
         env = build_env(config.env.name, **config.env.args)
         train_tasks = env.tasks("train")

@@ -4,6 +4,7 @@ turn, n=1, each token stamped with its policy version), the group's token progre
 """
 
 import asyncio
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,7 @@ class TurnRequester:
         """The model function of one rollout of `task`; its turns report to the group's `progress`. Turn t (from 0)
         is seeded with `turn_seed(t)` (None: unseeded)."""
         num_turns = 0
+        session = uuid.uuid4().hex  # every turn of this rollout reaches the same engine behind a router
 
         async def model(messages: list[Message], tools: list[ToolSchema]) -> ModelTurn:
             nonlocal num_turns
@@ -79,7 +81,7 @@ class TurnRequester:
             try:
                 async with asyncio.timeout(self.request_timeout_s):
                     send = self._streamed if self.stream else self._whole
-                    turn = await send(task, messages, params, version, progress)
+                    turn = await send(task, messages, params, version, progress, session)
             except ContextLengthError:
                 raise StopRollout(CONTEXT_LENGTH) from None
             except TimeoutError:
@@ -97,14 +99,14 @@ class TurnRequester:
         return model
 
     async def _streamed(
-        self, task: Task, messages: list[Message], params: dict, version: int, progress: TurnProgress
+        self, task: Task, messages: list[Message], params: dict, version: int, progress: TurnProgress, session: str
     ) -> ModelTurn:
         where = f"{self.client.base_url}/v1/chat/completions (stream, task {task.id})"
         chat = StreamedChat(1, self.version_now, where)
         progress.open(id(chat), lambda: chat.oldest_version)
         turn: ModelTurn | None = None
         try:
-            async for chunk in self.client.stream_chat(messages, params, 1, cache_salt(version)):
+            async for chunk in self.client.stream_chat(messages, params, 1, cache_salt(version), session):
                 chat.add(chunk)
             turn = chat.model_turn(task.id)
         finally:
@@ -112,13 +114,13 @@ class TurnRequester:
         return turn
 
     async def _whole(
-        self, task: Task, messages: list[Message], params: dict, version: int, progress: TurnProgress
+        self, task: Task, messages: list[Message], params: dict, version: int, progress: TurnProgress, session: str
     ) -> ModelTurn:
         key = object()
         progress.open(id(key), lambda: version)  # the reply's tokens come from `version` or later
         versions: list[int] = []
         try:
-            reply = await self.client.chat(messages, params, 1, cache_salt(version))
+            reply = await self.client.chat(messages, params, 1, cache_salt(version), session)
             (completion,) = parse_chat_response(reply, task, 1, version, require_token_versions=True)
             versions = completion.token_versions
         finally:
