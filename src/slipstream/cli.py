@@ -18,6 +18,7 @@ commands:
   inference     run the vLLM inference server with Slipstream's weight-loading extension
   orchestrator  run the orchestrator (rollouts, rewards, batches)
   trainer       run the trainer (launch it under torchrun for several ranks)
+  sft           supervised fine-tuning on chat data (JSONL/Parquet); writes a model folder for `model.name`
   eval          score a model folder or a run's step on an environment split (mean reward, pass@k)
   plot RUN_DIR  write PNG plots of a run into RUN_DIR/plots/
   model         model utilities: `model import NAME|FILE.gguf`, `model tiny --family F --out DIR`
@@ -38,6 +39,7 @@ CONFIG_COMMANDS = {
         "run_orchestrator",
     ),
     "trainer": ("slipstream.config.trainer", "TrainerConfig", "slipstream.trainer.rl", "run_trainer"),
+    "sft": ("slipstream.config.sft", "SFTConfig", "slipstream.trainer.sft", "run_sft"),
     "eval": ("slipstream.config.eval", "EvalConfig", "slipstream.eval.run", "eval_command"),
 }
 

@@ -11,7 +11,8 @@ from slipstream.inference.server import build_vllm_argv
 from slipstream.launch.plan import build_plan, resolve_config
 from tests.unit.test_vllm_argv import parse_vllm_argv
 
-EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("**/*.toml"))
+EXAMPLES = sorted(p for p in (Path(__file__).parents[2] / "examples").glob("**/*.toml") if not p.name.startswith("sft"))
+"""RL configs; `sft*.toml` are `slipstream sft` configs (tests/unit/test_sft_loop.py parses them)."""
 EIGHT_GPUS = list(range(8))
 
 

@@ -1,0 +1,133 @@
+"""Config of `slipstream sft`: supervised fine-tuning on chat data with the RL trainer's model, parallelism,
+optimizer and checkpoints (trainer/sft.py)."""
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from slipstream.config.base import BaseConfig
+from slipstream.config.shared import CheckpointConfig, ModelConfig
+from slipstream.config.trainer import OptimConfig, ParallelConfig, TrainerConfig
+from slipstream.config.weights import WeightsConfig
+
+
+class SFTDataConfig(BaseConfig):
+    """Training and validation data: local JSONL (`.jsonl`, one JSON object per line) or Parquet (`.parquet`,
+    needs pyarrow) files. Each row holds either `messages` (a chat: `role`/`content` dicts, optionally with
+    `tool_calls`) plus optional `tools` (OpenAI tool schemas, a list or its JSON string), or `prompt` +
+    `completion` (each a string or a list of messages; a string prompt is one user message, a string completion
+    one assistant message). Rows are rendered with the model's chat template."""
+
+    train_files: list[Path] = Field(min_length=1)
+    """Training files, read in this order (then shuffled per epoch when `shuffle`)."""
+
+    val_files: list[Path] = []
+    """Validation files: their mean loss per token (and perplexity) is logged every `val_interval` steps."""
+
+    loss_roles: list[str] = Field(["assistant"], min_length=1)
+    """Roles whose messages are trained on (loss tokens). An assistant message's loss covers what the template
+    renders after the generation prompt (its content and end-of-turn tokens); another role's covers its whole
+    rendered message."""
+
+    shuffle: bool = True
+    """Shuffle the training samples at every epoch (a permutation seeded by `seed` and the epoch)."""
+
+    @field_validator("train_files", "val_files")
+    @classmethod
+    def _check_suffixes(cls, files: list[Path]) -> list[Path]:
+        for path in files:
+            if path.suffix not in (".jsonl", ".parquet"):
+                raise ValueError(f"data file {path} must end in .jsonl or .parquet")
+        return files
+
+
+class SFTConfig(BaseConfig):
+    """Supervised fine-tuning: cross-entropy on the chosen roles' tokens of chat data, one exact per-token mean
+    per step over all ranks and micro-batches; validation loss, checkpoints that resume at the same sample, and at
+    the end a Hugging Face model folder (`output_dir/weights/step_<max_steps>`) usable as `model.name`."""
+
+    model: ModelConfig
+    """Model to fine-tune (initial weights and tokenizer, whose chat template renders the data)."""
+
+    model_impl: Literal["auto", "custom", "hf"] = "auto"
+    """Model implementation, as `trainer.model_impl` of `slipstream trainer --help`."""
+
+    data: SFTDataConfig
+    """Training and validation files, trained roles and data order."""
+
+    output_dir: Path
+    """Run directory: metrics.jsonl, checkpoints/step_N/, weights/step_<max_steps>/ (the fine-tuned model)."""
+
+    max_steps: int = Field(ge=1)
+    """Number of optimizer steps; the data repeats (a new epoch) when it runs out."""
+
+    batch_size: int = Field(ge=1)
+    """Samples per optimizer step, over all ranks (each group of cp ranks takes a share)."""
+
+    micro_batch_tokens: int = Field(ge=2)
+    """Token budget of one packed micro-batch (one forward/backward) per rank: samples are packed into rows of at
+    most this many tokens. A sample longer than this is an error naming its row."""
+
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up from lr / warmup_steps to `optim.lr` over this many steps; constant after."""
+
+    val_interval: int | None = Field(None, ge=1)
+    """Compute the validation loss every this many steps and at the last step (needs data.val_files)."""
+
+    seed: int = 0
+    """Seed of the trainer's RNG and of the data order."""
+
+    optim: OptimConfig = OptimConfig(lr=2e-5)
+    """AdamW over float32 master weights, as the RL trainer's (`optim.lr` is the rate after warm-up)."""
+
+    parallel: ParallelConfig = ParallelConfig()
+    """FSDP / HSDP / EP / CP / activation checkpointing over torchrun's ranks, as the RL trainer's."""
+
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """When to write checkpoints (model, optimizer, RNG and the data position) into `output_dir/checkpoints/step_N/`,
+    and which to keep."""
+
+    resume_step: int | Literal["latest"] | None = None
+    """Resume from the checkpoint of this step (an int, or "latest"); None starts from scratch and refuses an
+    output_dir that already holds checkpoints."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Training device; auto picks CUDA when available."""
+
+    compile: bool = False
+    """torch.compile each transformer block (see `slipstream trainer --help`)."""
+
+    num_threads: int | None = Field(None, ge=1)
+    """torch CPU threads per rank (default: torch's choice)."""
+
+    @field_validator("resume_step")
+    @classmethod
+    def _check_resume_step(cls, value: int | str | None) -> int | str | None:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"resume_step must be >= 1, 'latest' or unset (got {value})")
+        return value
+
+    @model_validator(mode="after")
+    def _check_validation(self) -> "SFTConfig":
+        if self.val_interval is not None and not self.data.val_files:
+            raise ValueError("val_interval is set but data.val_files is empty; add validation files or unset it")
+        return self
+
+    def trainer_config(self) -> TrainerConfig:
+        """The TrainerConfig whose setup (model, parallelism, optimizer, resume) and checkpoints SFT reuses."""
+        return TrainerConfig(
+            model=self.model,
+            model_impl=self.model_impl,
+            output_dir=self.output_dir,
+            max_steps=self.max_steps,
+            seed=self.seed,
+            optim=self.optim,
+            parallel=self.parallel,
+            checkpoint=self.checkpoint,
+            resume_step=self.resume_step,
+            device=self.device,
+            compile=self.compile,
+            num_threads=self.num_threads,
+            weights=WeightsConfig(transport="filesystem"),
+        )

@@ -1,0 +1,142 @@
+"""SFT loop (`slipstream sft`): take step N's samples, train on this rank's share, validate, log, checkpoint with
+the data position; at the end publish the model as a Hugging Face folder `weights/step_<max_steps>/`.
+
+Model loading, parallelism (FSDP/EP/CP/AC/compile), AdamW, checkpoints and the weight export are the RL trainer's
+(setup_trainer, trainer/ckpt.py, trainer/publish.py), driven by `SFTConfig.trainer_config()`.
+"""
+
+import time
+from dataclasses import dataclass
+
+from slipstream.config.sft import SFTConfig
+from slipstream.config.trainer import TrainerConfig
+from slipstream.monitor.metrics import MetricsWriter, format_progress
+from slipstream.parallel.dist import barrier
+from slipstream.rundir import RunDir
+from slipstream.trainer.ckpt import committed_steps
+from slipstream.trainer.publish import WeightPublisher
+from slipstream.trainer.rl import NonFiniteGuard, maybe_checkpoint
+from slipstream.trainer.setup import Trainer, setup_trainer, teardown_trainer
+from slipstream.trainer.sft_data import CURSOR_FILE, DataCursor, next_batch, rank_share
+from slipstream.trainer.sft_render import SFTSample, load_samples
+from slipstream.trainer.sft_step import sft_step, validation_loss
+from slipstream.transport.checkpoints import is_checkpoint_step, truncate_step_log
+
+
+@dataclass(frozen=True)
+class SFTData:
+    train: list[SFTSample]
+    val: list[SFTSample]
+
+
+def run_sft(config: SFTConfig) -> None:
+    """Train steps start_step + 1 .. max_steps, then write `weights/step_<max_steps>/`."""
+    trainer_config = config.trainer_config()
+    check_output_dir(config)
+    trainer = setup_trainer(trainer_config)
+    try:
+        data = build_data(config, trainer)
+        cursor = setup_progress(config, trainer, len(data.train))
+        writer = MetricsWriter(config.output_dir) if trainer.info.is_main else None
+        nonfinite = NonFiniteGuard(trainer_config.max_nonfinite_steps)
+        for step in range(trainer.start_step + 1, config.max_steps + 1):
+            t_start = time.perf_counter()
+            indices, cursor = next_batch(len(data.train), cursor, config.batch_size, config.seed, config.data.shuffle)
+            mine = rank_share(indices, trainer.data_rank, trainer.num_data_ranks)
+            set_lr(trainer, config, step)
+            metrics = sft_step(
+                trainer,
+                [data.train[i] for i in indices],
+                [data.train[i] for i in mine],
+                config.micro_batch_tokens,
+                config.optim.max_grad_norm,
+            )
+            metrics["nonfinite/total"] = nonfinite.update(step, bool(metrics["nonfinite/skipped"]))
+            t_train = time.perf_counter()
+            metrics |= maybe_validate(trainer, config, data, step)
+            metrics |= {
+                "lr": trainer.optimizer.param_groups[0]["lr"],
+                "epoch": cursor.epoch + cursor.index / len(data.train),
+                "tokens_per_s": metrics["num_tokens"] / max(t_train - t_start, 1e-9),
+                "timing/step_s": time.perf_counter() - t_start,
+            }
+            if writer is not None:  # before the checkpoint: a committed step always has its record
+                print(format_progress(step, config.max_steps, writer.write(step, metrics)), flush=True)
+            maybe_checkpoint_sft(trainer, trainer_config, step, cursor, len(data.train))
+        export_model(trainer, trainer_config)
+        barrier()
+    finally:
+        teardown_trainer(trainer)
+
+
+def check_output_dir(config: SFTConfig) -> None:
+    """A fresh run (no resume_step) refuses a run directory with checkpoints: it would mix two runs."""
+    if config.resume_step is None and committed_steps(config.output_dir):
+        raise ValueError(
+            f"{config.output_dir} holds checkpoints of steps {committed_steps(config.output_dir)}; set resume_step = "
+            "'latest' to continue that run, or choose another output_dir"
+        )
+
+
+def build_data(config: SFTConfig, trainer: Trainer) -> SFTData:
+    """Render the training and validation files with the model's tokenizer (every rank renders all of it)."""
+    if config.batch_size < trainer.num_data_ranks:
+        raise ValueError(
+            f"batch_size = {config.batch_size} gives some of the {trainer.num_data_ranks} data ranks (world_size / "
+            "cp) no sample; raise batch_size to at least that"
+        )
+    tokenizer, roles, budget = trainer.tokenizer, config.data.loss_roles, config.micro_batch_tokens
+    train = load_samples(config.data.train_files, tokenizer, roles, budget)
+    val = load_samples(config.data.val_files, tokenizer, roles, budget) if config.data.val_files else []
+    if trainer.info.is_main:
+        print(f"[sft] {len(train)} training samples, {len(val)} validation samples", flush=True)
+    return SFTData(train=train, val=val)
+
+
+def setup_progress(config: SFTConfig, trainer: Trainer, num_samples: int) -> DataCursor:
+    """The data cursor to start from (the checkpoint's when resuming); drop metrics records of later steps."""
+    if trainer.info.is_main:
+        truncate_step_log(RunDir(config.output_dir).metrics_path, trainer.start_step)
+    barrier()
+    if trainer.start_step == 0:
+        return DataCursor()
+    return DataCursor.read(RunDir(config.output_dir).checkpoint_dir(trainer.start_step) / CURSOR_FILE, num_samples)
+
+
+def set_lr(trainer: Trainer, config: SFTConfig, step: int) -> None:
+    """Linear warm-up over `warmup_steps`, then constant: a function of the step alone, so resume needs no state."""
+    scale = min(1.0, step / config.warmup_steps) if config.warmup_steps else 1.0
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = config.optim.lr * scale
+
+
+def maybe_validate(trainer: Trainer, config: SFTConfig, data: SFTData, step: int) -> dict[str, float]:
+    if config.val_interval is None or not (step % config.val_interval == 0 or step == config.max_steps):
+        return {}
+    return validation_loss(trainer, data.val, config.micro_batch_tokens, trainer.data_rank, trainer.num_data_ranks)
+
+
+def maybe_checkpoint_sft(
+    trainer: Trainer, trainer_config: TrainerConfig, step: int, cursor: DataCursor, num_samples: int
+) -> None:
+    """The RL trainer's checkpoint, with the data cursor written into `checkpoints/step_N/` first: the trainer part's
+    COMMITTED marker, written after it, vouches for both."""
+    if not is_checkpoint_step(step, trainer_config.checkpoint.interval, trainer_config.max_steps):
+        return
+    if trainer.info.is_main:
+        folder = RunDir(trainer_config.output_dir).checkpoint_dir(step)
+        folder.mkdir(parents=True, exist_ok=True)
+        cursor.write(folder / CURSOR_FILE, num_samples)
+    maybe_checkpoint(trainer, trainer_config, step)
+
+
+def export_model(trainer: Trainer, trainer_config: TrainerConfig) -> None:
+    """Write `weights/step_<max_steps>/` (HF safetensors + config + tokenizer), gathered layer by layer."""
+    publisher = WeightPublisher(trainer, trainer_config)
+    try:
+        publisher.publish(trainer_config.max_steps)
+    finally:
+        publisher.close()
+    if trainer.info.is_main:
+        folder = RunDir(trainer_config.output_dir).weights_dir(trainer_config.max_steps)
+        print(f"[sft] model written to {folder} (usable as model.name)", flush=True)

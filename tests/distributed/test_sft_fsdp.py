@@ -1,0 +1,28 @@
+"""`slipstream sft` with FSDP over 2 CPU ranks (gloo) equals one process: the per-token mean over the global batch
+and the summed gradients make the losses and the final weights match (<= 1e-5)."""
+
+import torch
+from safetensors.torch import load_file
+
+from slipstream.monitor.metrics import read_metrics
+from slipstream.rundir import RunDir
+from slipstream.trainer.sft import run_sft
+from tests.distributed.helpers import run_ranks
+from tests.unit.test_sft_loop import _config
+
+
+def test_sft_fsdp_two_ranks_equals_one_process(tiny_qwen3_dir, tmp_path):
+    one = _config(tiny_qwen3_dir, tmp_path, tmp_path / "one", max_steps=3, batch_size=5)
+    two = _config(tiny_qwen3_dir, tmp_path, tmp_path / "two", max_steps=3, batch_size=5)
+    run_sft(one)
+    run_ranks(2, run_sft, two)  # 5 samples: 3 on rank 0, 2 on rank 1 (uneven micro-batch counts)
+    for a, b in zip(read_metrics(one.output_dir), read_metrics(two.output_dir), strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 and a["num_loss_tokens"] == b["num_loss_tokens"]
+        assert (a.get("val/loss") is None) == (b.get("val/loss") is None)
+        if "val/loss" in a:
+            assert abs(a["val/loss"] - b["val/loss"]) <= 1e-5
+    w1 = load_file(RunDir(one.output_dir).weights_dir(3) / "model.safetensors")
+    w2 = load_file(RunDir(two.output_dir).weights_dir(3) / "model.safetensors")
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], rtol=0, atol=1e-5)
