@@ -31,8 +31,19 @@ class WeightsConfig(BaseConfig):
     """Address the trainer's rendezvous store listens on (collective transports); inference workers connect to it.
     Use the trainer node's address when inference runs on other machines."""
 
-    master_port: int = Field(29611, ge=1, le=65535)
-    """TCP port of the trainer's rendezvous store (collective transports)."""
+    master_port: int = Field(0, ge=0, le=65535)
+    """TCP port of the trainer's rendezvous store (collective transports). 0 (default): `slipstream rl` picks a port
+    free on the trainer's node when it launches trainer and orchestrator there (two runs on one node never collide);
+    set a fixed port when the trainer and the orchestrator are started separately (by hand, or on different nodes)."""
+
+    def store_port(self, who: str) -> int:
+        """master_port, checked for a process that opens or announces the store (`who`, for the message)."""
+        if self.master_port == 0:
+            raise ValueError(
+                f"{who}: weights.master_port is 0 (chosen by `slipstream rl` at launch), but this process was started "
+                "without it; set --weights.master_port to a free TCP port, the same for trainer and orchestrator"
+            )
+        return self.master_port
 
     accept_timeout_s: float = Field(1500.0, gt=0.0, le=1800.0)
     """Collective transports: how long the trainer waits for inference to take an offered version (the orchestrator

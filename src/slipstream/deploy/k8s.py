@@ -66,7 +66,8 @@ def cluster_config(config: RLConfig) -> tuple[RLConfig, Placement]:
         "output_dir": str(output_dir),
         "inference": inference,
         "orchestrator": {"inference_url": f"http://{pod_host(config, 'inference')}:{config.inference.port}"},
-        "weights": {"master_addr": pod_host(config, "trainer")},
+        # Pods have their own network namespace: a fixed port (weights.master_port 0 = auto is a launcher choice).
+        "weights": {"master_addr": pod_host(config, "trainer"), "master_port": config.weights.master_port or 29611},
     }
     config = config.rebuilt(changes)
     placement = place_config(config, list(range(k8s.gpus)))

@@ -4,12 +4,14 @@ import functools
 import json
 import os
 import signal
+import socket
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+from slipstream.config.base import ConfigError
 from slipstream.config.rl import RLConfig
 from slipstream.inference.admin_token import ensure_admin_token
 from slipstream.launch.models import resolve_run_model
@@ -109,7 +111,32 @@ def resolve_node_config(config: RLConfig) -> tuple[RLConfig, list[int]]:
         config = prepare_resume_run(config)
     config = resolve_run_model(config)
     gpus = detect_visible_gpus()
-    return resolve_config(config, gpus), gpus
+    return choose_store_port(resolve_config(config, gpus)), gpus
+
+
+def choose_store_port(config: RLConfig) -> RLConfig:
+    """weights.master_port 0 (auto) made concrete: a port free right now on the trainer's node, written into every
+    process's config. Only where this launch starts both the trainer (which opens the store) and the orchestrator
+    (which tells inference where it is); a collective transport split across launches needs a fixed port."""
+    w = config.weights
+    if w.master_port != 0 or w.transport not in ("nccl", "gloo"):
+        return config
+    here = {"trainer", "orchestrator"} & set(config.deployment.run)
+    if not here:  # inference alone: it learns the port from the orchestrator's init_info
+        return config
+    if len(here) == 1:
+        raise ConfigError(
+            f"weights.master_port = 0 (auto) needs the trainer and the orchestrator in one launch, but this node runs "
+            f"{', '.join(config.deployment.run)}: set weights.master_port to a free TCP port on the trainer's node"
+        )
+    return config.rebuilt({"weights": {"master_port": free_port(w.master_addr)}})
+
+
+def free_port(host: str) -> int:
+    """A TCP port nobody listens on at `host` right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def start_processes(sup: Supervisor, specs: dict[str, ProcessSpec], config: RLConfig, start: float) -> None:

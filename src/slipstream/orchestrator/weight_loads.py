@@ -81,7 +81,7 @@ class WeightLoader:
         return {
             "backend": offer["backend"],
             "master_addr": self.weights.master_addr,
-            "master_port": self.weights.master_port,
+            "master_port": self.weights.store_port("the orchestrator's weight transfer"),
             "session": self.session.session,
             "world_size": world_size,
             "rank_offset": 1,

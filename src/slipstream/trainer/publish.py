@@ -70,7 +70,8 @@ class WeightPublisher:
         self.refused: set[str] = set()
         if self.transport in ("nccl", "gloo") and trainer.info.is_main:
             w = config.weights
-            self.store = open_store(w.master_addr, w.master_port, is_master=True, timeout_s=w.accept_timeout_s)
+            port = w.store_port("the trainer's weight transfer")
+            self.store = open_store(w.master_addr, port, is_master=True, timeout_s=w.accept_timeout_s)
         self.files = PublishedFiles(trainer.hf_config, trainer.compute_dtype, trainer.tokenizer, trainer.model_dir)
         self.stream = HFWeightStream(trainer.model, trainer.compute_dtype)  # the per-layer plan, built once
         self.buckets = tuple(plan_buckets(self.stream.metas(), self.bucket_bytes))
@@ -169,7 +170,7 @@ class WeightPublisher:
             return
         close_group(self.group)
         w = self.config.weights
-        init = GroupInit(self.transport, w.master_addr, w.master_port, accept.session, accept.world_size)
+        init = GroupInit(self.transport, w.master_addr, w.store_port("the trainer"), accept.session, accept.world_size)
         self.group = open_group(self.store, init, 0, self.trainer.device)
         self.session = accept.session
 
