@@ -688,15 +688,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def workdir_and_model(args: argparse.Namespace, prefix: str) -> tuple[Path, Path]:
+    """(`--workdir` or a fresh temporary folder, `--model` or a tiny qwen3 built in it)."""
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix=prefix))
+    workdir.mkdir(parents=True, exist_ok=True)
+    if args.model is not None:
+        return workdir, args.model
+    from slipstream.models.tiny import build_tiny_model
+
+    return workdir, build_tiny_model("qwen3", workdir / "model")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="slipstream-chaos-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    model_dir = args.model
-    if model_dir is None:
-        from slipstream.models.tiny import build_tiny_model
-
-        model_dir = build_tiny_model("qwen3", workdir / "model")
+    workdir, model_dir = workdir_and_model(args, "slipstream-chaos-")
     kills = build_schedule(args.kills, random.Random(args.seed), args.victims)
     _say(f"workdir {workdir}; {args.kills} kills over {args.steps} steps (seed {args.seed})")
     ref = run_reference(args, workdir, model_dir)

@@ -35,7 +35,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -44,7 +43,7 @@ import psutil
 import tomli_w
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chaos import Inference, free_port, launch, metrics, run_processes  # noqa: E402  (benchmarks/ is no package)
+from chaos import Inference, free_port, launch, metrics, run_processes, workdir_and_model  # noqa: E402  (benchmarks/ is no package)
 
 KINDS = ("launcher", "inference", "torchrun", "trainer_rank", "orchestrator")
 
@@ -326,13 +325,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="slipstream-soak-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    model_dir = args.model
-    if model_dir is None:
-        from slipstream.models.tiny import build_tiny_model
-
-        model_dir = build_tiny_model("qwen3", workdir / "model")
+    workdir, model_dir = workdir_and_model(args, "slipstream-soak-")
     _say(f"workdir {workdir}; {args.steps} steps (+{args.tail}), growth from step {args.warmup}")
     samples, code, wall = soak(args, workdir, model_dir)
     if args.samples is not None:
