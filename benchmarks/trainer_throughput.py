@@ -204,6 +204,8 @@ def run_impl(args: argparse.Namespace, impl: str, device: torch.device) -> Resul
     compile = args.compile and impl == "custom"
     if args.expert_loop and impl == "custom" and hasattr(model, "set_grouped_mm"):
         model.set_grouped_mm(False)
+    if impl == "custom":
+        model.packed_attention = args.packed_attention
     parallel = ParallelConfig(
         ep=args.ep, activation_checkpointing=args.ac, activation_checkpointing_keep_attention=args.keep_attention
     )
@@ -379,6 +381,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="under torchrun (several ranks, one GPU each): expert parallelism over this many ranks, FSDP over all; "
         "figures are per GPU, each rank training its own micro-batch",
+    )
+    parser.add_argument(
+        "--packed-attention",
+        default="varlen",
+        choices=["varlen", "flex"],
+        help="kernel for packed rows of --impl custom (trainer.packed_attention; flex: GPUs only)",
     )
     parser.add_argument("--compare-hf", action="store_true", help="also run --impl hf and print the ratio")
     parser.add_argument(

@@ -1,5 +1,5 @@
 """On a CUDA GPU: every attention path of models/common/attention.py (SDPA causal for one sample per row, flash
-varlen for packed rows) against the reference (`packed_attention`: block-diagonal mask, float64 on CPU), values and
+varlen for packed rows, flex_attention for packed rows and prefix trees) against the reference (`packed_attention`: block-diagonal mask, float64 on CPU), values and
 gradients; and each model family on CUDA (bf16 autocast), packed, against the reference attention and against
 float32 on CPU.
 
@@ -41,25 +41,34 @@ def reference(q_BTHK, k_BTGK, v_BTGK, position_ids_BT):
 
 
 CASES = {
-    "one sample": ([[2048]], "causal"),
-    "one sample per row, 2 rows": ([[777], [777]], "causal"),
-    "packed": ([[300, 1, 517, 182, 1024]], "varlen"),
-    "packed, 2 rows": ([[5, 600, 419], [1024]], "varlen"),
+    "one sample": ([[2048]], "causal", "varlen"),
+    "one sample per row, 2 rows": ([[777], [777]], "causal", "varlen"),
+    "packed": ([[300, 1, 517, 182, 1024]], "varlen", "varlen"),
+    "packed, 2 rows": ([[5, 600, 419], [1024]], "varlen", "varlen"),
+    "packed, flex": ([[300, 1, 517, 182, 1024]], "flex", "flex"),
+    "packed, 2 rows, flex": ([[5, 600, 419], [1024]], "flex", "flex"),
+    "prefix tree, flex": ("tree", "flex", "flex"),
 }
+
+
+def tree_positions() -> torch.Tensor:
+    """A row of two samples and a prefix tree (root 0..999, branches forked at 600 and at 17), 2024 tokens."""
+    parts = [torch.arange(300), torch.arange(324), torch.arange(1000), torch.arange(600, 900), torch.arange(17, 117)]
+    return torch.cat(parts)[None]
 
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("autocast", [False, True])
 def test_gpu_paths_match_reference(name, autocast):
-    rows, backend = CASES[name]
-    position_ids_BT = positions(rows)
+    rows, backend, packed = CASES[name]
+    position_ids_BT = tree_positions() if rows == "tree" else positions(rows)
     B, T = position_ids_BT.shape
     g = torch.Generator().manual_seed(len(name))
     dtype = torch.float32 if autocast else torch.bfloat16  # under autocast the projections' fp32 outputs come in
     q, k, v = (torch.randn(B, T, h, 128, generator=g).to(CUDA, dtype).requires_grad_() for h in (16, 8, 8))
     grad_o = torch.randn(B, T, 16, 128, generator=g)
 
-    layout = build_attention_layout(position_ids_BT.to(CUDA), torch.bfloat16)
+    layout = build_attention_layout(position_ids_BT.to(CUDA), torch.bfloat16, packed=packed)
     assert layout.backend == backend
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         o = attention(q, k, v, layout)

@@ -163,6 +163,13 @@ class TrainerConfig(BaseConfig):
     Both publish the same Hugging Face checkpoint layout, so inference is unaffected by this choice. (A trainer
     field rather than `model.impl`: `model` is shared by all processes and set once at the top level.)"""
 
+    packed_attention: Literal["varlen", "flex"] = "varlen"
+    """Attention kernel for rows that pack several samples or prefix trees (model_impl "custom"): "varlen" = flash
+    attention varlen on GPUs (prefix trees written out as their samples there), the masked reference elsewhere;
+    "flex" = flex_attention with a block mask of the samples and trees (compiled; GPUs only: torch's flex has no
+    CPU backward), which keeps prefix trees as trees. Measured on an H100 (benchmarks/RESULTS.md, attention_kernels.py): flex 12-14% faster than flash
+    varlen per layer; end-to-end step not yet measured, hence not the default."""
+
     fp8: bool = False
     """FP8 block-scaled training (DeepSeek-V3's recipe, models/common/fp8.py): the attention q/k/v/o and dense MLP
     projections and the MoE experts run their GEMMs in float8 e4m3, weights in 128x128 blocks and activations in
@@ -239,6 +246,11 @@ class TrainerConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _check_fp8_impl(self) -> "TrainerConfig":
+        if self.packed_attention == "flex" and self.model_impl == "hf":
+            raise ValueError(
+                "trainer.packed_attention = 'flex' runs in Slipstream's own models: set model_impl = 'custom' or "
+                "'auto', or packed_attention = 'varlen'"
+            )
         if self.fp8 and self.model_impl == "hf":
             raise ValueError(
                 "trainer.fp8 = true needs trainer.model_impl 'custom' or 'auto' (FP8 layers are swapped into "

@@ -182,9 +182,10 @@ def custom_hidden(
 ) -> Tensor:
     """hidden_TD of our model, run as the packed row or as one padded row per sample (row_layout.py). On CUDA,
     prefix trees are written out as their samples first (`expand_trees`: exact, the prefix computed once per
-    sample): no fused kernel there takes a tree's mask, and the dense mask grows as the square of the row."""
+    sample): no fused kernel there takes a tree's mask, and the dense mask grows as the square of the row. With
+    `model.packed_attention = "flex"` trees stay trees (flex_attention takes their block mask)."""
     device = input_ids_T.device
-    if device.type in EXPAND_TREES_ON and layout.num_branches:
+    if device.type in EXPAND_TREES_ON and layout.num_branches and model.packed_attention != "flex":
         source_E, own_T = expand_trees(position_ids_T)
         replay_ERA = None if replay_TRA is None else replay_TRA[source_E]
         expanded = build_padded_layout(position_ids_T[source_E])

@@ -30,6 +30,8 @@ def use_padded_rows(model: nn.Module, layout: PaddedLayout, device: torch.device
     """
     if not isinstance(model, DecoderLM) or layout.num_rows == 1 or hasattr(model, "moe_stats"):
         return False
+    if model.packed_attention == "flex":  # its block mask skips what the samples do not see: no waste to avoid
+        return False
     # Prefix trees take the masked reference on every device (no fused kernel takes their mask): padded rows, one
     # per tree, keep that mask [trees, L, L] instead of [T, T].
     fused = device.type == "cuda" and varlen_attn is not None and compute_dtype in _SIXTEEN_BIT

@@ -95,6 +95,18 @@ def setup_trainer(config: TrainerConfig) -> Trainer:
     model_dir = resolve_model_once(config.model, info)
     model, impl = load_model(model_dir, config.model_impl)
     check_parallel_fits_model(dims, model, impl)
+    if config.packed_attention != "varlen":
+        if impl != "custom":
+            raise ValueError(
+                f"trainer.packed_attention = {config.packed_attention!r} needs Slipstream's own model, but "
+                f"model_impl resolved to {impl!r} for this model type: use packed_attention = 'varlen'"
+            )
+        if device.type != "cuda":
+            raise ValueError(
+                f"trainer.packed_attention = {config.packed_attention!r} is a GPU kernel (torch's flex_attention has "
+                f"no backward on {device.type}): use packed_attention = 'varlen' there"
+            )
+        model.packed_attention = config.packed_attention
     if config.fp8:  # swap in the FP8 layers before any parallelism wraps them (models/common/fp8.py)
         apply_fp8(model, device)
     compute_dtype = DTYPES[config.model.dtype]

@@ -6,6 +6,8 @@ layout, picked once per forward by `build_attention_layout`:
 |---------------|--------------------------------------------------|------------------------------------------------|
 | "causal"      | CUDA, every row holds one sample                 | SDPA is_causal=True (cuDNN, else flash)        |
 | "varlen"      | CUDA, packed rows, 16-bit compute (bf16 / fp16)  | flash attention varlen over cu_seqlens         |
+| "flex"        | packed rows or prefix trees when the model's     | flex_attention with a block mask of the rows'  |
+|               | `packed_attention` is "flex" (any device)        | samples / trees (compiled on CUDA)             |
 | "reference"   | anything else (CPU; float32 packed rows on CUDA; | block-diagonal causal mask + SDPA, O(T^2) mask |
 |               | rows holding prefix trees)                       |                                                |
 | "context_parallel" | a ContextShard is given (any device)        | all-gathered K/V + the reference mask at offset |
@@ -31,7 +33,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from slipstream.models.common.norm import RMSNorm
-from slipstream.models.common.prefix_tree import has_branches, tree_mask
+from slipstream.models.common.prefix_tree import has_branches, tree_ids, tree_mask
 from slipstream.models.common.rope import apply_rope
 
 try:  # torch >= 2.10
@@ -84,18 +86,33 @@ class AttentionLayout:
     """context_parallel only: where the rows' tokens sit in the whole rows."""
     mask_B1TT: Tensor | None = None
     """context_parallel only: [B, 1, t, T], True where a query of the shard may attend to a key of the row."""
+    block_mask: object | None = None
+    """flex only: the rows' BlockMask (prefix_tree.py's rule: samples and trees never see each other)."""
+
+
+PACKED_KERNELS = ("varlen", "flex")
+"""What runs rows that hold several samples (or prefix trees): "varlen" (flash attention varlen on CUDA, the
+reference mask elsewhere and for trees) or "flex" (flex_attention with a block mask, samples and trees alike)."""
 
 
 def build_attention_layout(
-    position_ids_BT: Tensor, compute_dtype: torch.dtype, context: ContextShard | None = None
+    position_ids_BT: Tensor,
+    compute_dtype: torch.dtype,
+    context: ContextShard | None = None,
+    packed: str = "varlen",
 ) -> AttentionLayout:
     """Pick the attention path for this batch (one host sync on CUDA; none on CPU).
 
     `compute_dtype` is the dtype attention runs in (the autocast dtype, or the activations' dtype without autocast).
+    `packed` (PACKED_KERNELS) chooses the kernel of rows holding several samples or prefix trees.
     """
+    if packed not in PACKED_KERNELS:
+        raise ValueError(f"packed attention {packed!r}; choose one of {', '.join(PACKED_KERNELS)}")
     if context is not None:
         mask_B1tT = build_shard_causal_mask(context, position_ids_BT.shape[-1])
         return AttentionLayout("context_parallel", position_ids_BT, context=context, mask_B1TT=mask_B1tT)
+    if packed == "flex" and not _one_sample_per_row(position_ids_BT):
+        return AttentionLayout("flex", position_ids_BT, block_mask=build_block_mask(position_ids_BT))
     if position_ids_BT.device.type != "cuda":
         return AttentionLayout("reference", position_ids_BT)
     starts_BT = position_ids_BT == 0
@@ -111,6 +128,50 @@ def build_attention_layout(
     cu_seqlens_S1 = F.pad(starts_S, (0, 1), value=position_ids_BT.numel()).to(torch.int32)
     max_seqlen = int((cu_seqlens_S1[1:] - cu_seqlens_S1[:-1]).max())
     return AttentionLayout("varlen", position_ids_BT, cu_seqlens_S1, max_seqlen)
+
+
+def _one_sample_per_row(position_ids_BT: Tensor) -> bool:
+    """Does every row hold one sample (positions restart nowhere but at column 0, no branch)? One host sync."""
+    restarts_BT = position_ids_BT[:, 1:] != position_ids_BT[:, :-1] + 1
+    return not bool(restarts_BT.any())
+
+
+def build_block_mask(position_ids_BT: Tensor):
+    """flex_attention's BlockMask of `tree_mask`'s rule (same tree, causal, own segment or the root prefix it
+    continues), from per-token indices: no [T, T] tensor on CUDA, where its construction is compiled."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    ids = tree_ids(position_ids_BT)
+    tree_BT, segment_BT, fork_BT, is_root_BT = ids.tree_start_BT, ids.segment_start_BT, ids.fork_BT, ids.is_root_BT
+
+    def mask_mod(b, h, q, kv):
+        same_tree = tree_BT[b, q] == tree_BT[b, kv]
+        in_prefix = is_root_BT[b, kv] & (position_ids_BT[b, kv] < fork_BT[b, q])
+        return same_tree & (kv <= q) & ((segment_BT[b, q] == segment_BT[b, kv]) | in_prefix)
+
+    B, T = position_ids_BT.shape
+    on_gpu = position_ids_BT.device.type == "cuda"
+    return create_block_mask(mask_mod, B, None, T, T, device=position_ids_BT.device, _compile=on_gpu)
+
+
+_COMPILED_FLEX: list = []
+
+
+def flex_attention_call(q_BHTK: Tensor, k_BGTK: Tensor, v_BGTK: Tensor, block_mask) -> Tensor:
+    """o_BHTK through flex_attention in the autocast dtype (the op is not autocast-aware); compiled on CUDA (its
+    fused kernel), eager elsewhere (the reference loop, fine for the CPU's small rows)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    device_type = q_BHTK.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else q_BHTK.dtype
+    q_BHTK, k_BGTK, v_BGTK = q_BHTK.to(dtype), k_BGTK.to(dtype), v_BGTK.to(dtype)
+    fn = flex_attention
+    if device_type == "cuda":
+        if not _COMPILED_FLEX:
+            _COMPILED_FLEX.append(torch.compile(flex_attention))
+        fn = _COMPILED_FLEX[0]
+    with torch.autocast(device_type, enabled=False):
+        return fn(q_BHTK, k_BGTK, v_BGTK, block_mask=block_mask, enable_gqa=True)
 
 
 def build_packed_causal_mask(position_ids_BT: Tensor) -> Tensor:
@@ -169,6 +230,8 @@ def attention(q_BTHK: Tensor, k_BTGK: Tensor, v_BTGK: Tensor, layout: AttentionL
     if layout.backend == "context_parallel":
         return context_parallel_attention(q_BTHK, k_BTGK, v_BTGK, layout)
     q_BHTK, k_BGTK, v_BGTK = q_BTHK.transpose(1, 2), k_BTGK.transpose(1, 2), v_BTGK.transpose(1, 2)
+    if layout.backend == "flex":
+        return flex_attention_call(q_BHTK, k_BGTK, v_BGTK, layout.block_mask).transpose(1, 2)
     if layout.backend == "causal":
         return causal_attention(q_BHTK, k_BGTK, v_BGTK).transpose(1, 2)
     if layout.backend == "reference":

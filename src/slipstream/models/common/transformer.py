@@ -78,6 +78,8 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.packed_attention = "varlen"
+        """Kernel for rows of several samples or prefix trees (common/attention.py PACKED_KERNELS)."""
         self.init_weights()
 
     @property
@@ -121,7 +123,10 @@ class DecoderLM(nn.Module):
         device_type = h_BTD.device.type
         autocast = torch.is_autocast_enabled(device_type)
         layout = build_attention_layout(
-            position_ids_BT, torch.get_autocast_dtype(device_type) if autocast else h_BTD.dtype, context
+            position_ids_BT,
+            torch.get_autocast_dtype(device_type) if autocast else h_BTD.dtype,
+            context,
+            self.packed_attention,
         )
         aux_losses = []
         moe_index = 0
