@@ -16,6 +16,9 @@ from slipstream.models.glm4_moe.model import Glm4Moe
 from slipstream.models.llama import hf_adapter as llama_adapter
 from slipstream.models.llama.args import LlamaArgs
 from slipstream.models.llama.model import Llama
+from slipstream.models.minimax_m2 import hf_adapter as minimax_m2_adapter
+from slipstream.models.minimax_m2.args import MiniMaxM2Args
+from slipstream.models.minimax_m2.model import MiniMaxM2
 from slipstream.models.qwen3 import hf_adapter as qwen3_adapter
 from slipstream.models.qwen3.args import Qwen3Args
 from slipstream.models.qwen3.model import Qwen3
@@ -45,6 +48,9 @@ MODEL_SPECS: dict[str, ModelSpec] = {
     "qwen3": ModelSpec(Qwen3Args.from_hf_config, Qwen3, qwen3_adapter.from_hf, qwen3_adapter.to_hf),
     "qwen3_moe": ModelSpec(Qwen3MoeArgs.from_hf_config, Qwen3Moe, qwen3_moe_adapter.from_hf, qwen3_moe_adapter.to_hf),
     "glm4_moe": ModelSpec(Glm4MoeArgs.from_hf_config, Glm4Moe, glm4_moe_adapter.from_hf, glm4_moe_adapter.to_hf),
+    "minimax_m2": ModelSpec(
+        MiniMaxM2Args.from_hf_config, MiniMaxM2, minimax_m2_adapter.from_hf, minimax_m2_adapter.to_hf
+    ),
 }
 
 

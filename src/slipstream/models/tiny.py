@@ -1,4 +1,5 @@
-"""Tiny random models (llama, qwen3, qwen3_moe, glm4_moe) with a locally trained byte-level BPE tokenizer, for tests.
+"""Tiny random models (llama, qwen3, qwen3_moe, glm4_moe, minimax_m2) with a locally trained byte-level BPE
+tokenizer, for tests.
 
 Built in a few seconds, deterministic for a seed, saved as float32 safetensors that transformers and vLLM (CPU) load.
 """
@@ -12,7 +13,7 @@ from pathlib import Path
 from slipstream.models.hub import check_replaceable, finalize_model_dir
 from slipstream.utils.fs import commit_dir
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "glm4_moe")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "glm4_moe", "minimax_m2")
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]  # ids 0, 1, 2
 MAX_POSITIONS = 2048
@@ -92,8 +93,10 @@ def build_config(family: str, vocab_size: int, eos_token_id: int, pad_token_id: 
     llama ties its embeddings (like SmolLM2); qwen3 and qwen3_moe do not, so tests cover both layouts. glm4_moe has
     3 layers (a dense one, then 2 MoE layers, as the other MoE's 2) and GLM-4.5's features on: partial RoPE (0.5),
     q/k/v biases, q/k norm, a shared expert, group-limited routing (4 groups of 2, top 2 groups), scaling 2.5.
+    minimax_m2 has MiniMax-M2's features: partial RoPE (rotary_dim 32 of 64), full-width q/k norm, sigmoid routing
+    with a selection bias (random, as glm4_moe's), experts of width 64.
     """
-    from transformers import Glm4MoeConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import Glm4MoeConfig, LlamaConfig, MiniMaxM2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -125,6 +128,10 @@ def build_config(family: str, vocab_size: int, eos_token_id: int, pad_token_id: 
             **common, **moe, **routing, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
             partial_rotary_factor=0.5, tie_word_embeddings=False, num_nextn_predict_layers=0,
         )  # fmt: skip
+    if family == "minimax_m2":
+        common["intermediate_size"] = 64  # MiniMax-M2's intermediate_size is the routed experts' width
+        moe = dict(num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.0)
+        return MiniMaxM2Config(**common, **moe, rotary_dim=32, tie_word_embeddings=False)
     raise ValueError(f"unknown tiny model family '{family}' (known: {', '.join(FAMILIES)})")
 
 
@@ -152,7 +159,8 @@ def build_tiny_model(family: str, out_dir: Path, seed: int = 0, vocab_size: int 
     config = build_config(family, vocab_size, tokenizer.eos_token_id, tokenizer.pad_token_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if family == "glm4_moe":  # transformers inits the selection-only router bias at 0: make it matter in tests
+    # transformers inits the selection-only router bias at 0: make it matter in tests
+    if family in ("glm4_moe", "minimax_m2"):
         with torch.no_grad():
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
