@@ -245,7 +245,9 @@ def test_registry_unregistered_type_and_bad_impl():
     config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
     assert isinstance(build_model(config, "auto"), GPT2LMHeadModel)
     assert isinstance(build_model(config, "hf"), GPT2LMHeadModel)
-    with pytest.raises(ValueError, match=r"model_type 'gpt2' \(supported: glm4_moe, llama, minimax_m2, qwen3, qwen3_moe\)"):
+    with pytest.raises(
+        ValueError, match=r"model_type 'gpt2' \(supported: glm4_moe, llama, minimax_m2, qwen3, qwen3_moe\)"
+    ):
         build_model(config, "custom")
     with pytest.raises(ValueError, match="unknown model impl 'fast'"):
         build_model(config, "fast")
