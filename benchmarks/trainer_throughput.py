@@ -60,7 +60,10 @@ PROMPT_FRACTION = 0.2
 """Share of each fake sample that is prompt (no loss)."""
 MOE_MODELS = {"qwen3-30b-a3b-4l": 4, "qwen3-30b-a3b-8l": 8}
 """Qwen3-30B-A3B's shape cut to this many layers (the anchor's, /work/shared/anchors/hf_moe)."""
-MODELS = ["qwen3-0.6b", "tiny", "tiny-moe", *MOE_MODELS]
+DSA_MODELS = {"glm5-cut": 2}
+"""GLM-5's shape (MLA + DSA attention, top-2048 keys; 256 experts, top-8, a shared expert) cut to fit one GPU: this
+many layers (the first dense, the others MoE) and 32 routed experts per MoE layer."""
+MODELS = ["qwen3-0.6b", "tiny", "tiny-moe", *MOE_MODELS, *DSA_MODELS]
 
 
 def build_hf_config(name: str):
@@ -92,6 +95,8 @@ def build_hf_config(name: str):
             rope_parameters={"rope_type": "default", "rope_theta": 1e6},
             tie_word_embeddings=False,
         )
+    if name in DSA_MODELS:
+        return glm5_cut_config(DSA_MODELS[name])
     if name == "qwen3-0.6b":
         return Qwen3Config(
             vocab_size=151936,
@@ -109,9 +114,38 @@ def build_hf_config(name: str):
     raise ValueError(f"unknown --model {name!r}; choose one of {', '.join(MODELS)}")
 
 
+def glm5_cut_config(num_layers: int):
+    """GLM-5's config (zai-org/GLM-5's dimensions) with `num_layers` layers, the first dense, and 32 routed experts."""
+    from transformers import GlmMoeDsaConfig
+
+    return GlmMoeDsaConfig(
+        vocab_size=154880, hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048,
+        num_hidden_layers=num_layers, num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1,
+        n_routed_experts=32, num_experts_per_tok=8, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=2048,
+        qk_rope_head_dim=64, v_head_dim=256, qk_nope_head_dim=192, index_topk=2048, index_head_dim=128,
+        index_n_heads=32, first_k_dense_replace=1, max_position_embeddings=202752, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def dsa_matmul_params(cfg) -> int:
+    """GLM-5: MLA projections, the dense MLP or the top-k + shared experts and router per layer, and the LM head;
+    the indexer's projections are left out (they run forward only, without gradient)."""
+    H, D = cfg.num_attention_heads, cfg.hidden_size
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    attention = D * cfg.q_lora_rank + cfg.q_lora_rank * H * qk + D * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    attention += cfg.kv_lora_rank * H * (cfg.qk_nope_head_dim + cfg.v_head_dim) + H * cfg.v_head_dim * D
+    experts = (cfg.num_experts_per_tok + cfg.n_shared_experts) * 3 * D * cfg.moe_intermediate_size
+    moe = experts + D * cfg.n_routed_experts  # + the router
+    mlps = sum(moe if t == "sparse" else 3 * D * cfg.intermediate_size for t in cfg.mlp_layer_types)
+    return cfg.num_hidden_layers * attention + mlps + cfg.vocab_size * D
+
+
 def active_matmul_params(cfg) -> int:
     """Matmul weights one token goes through: attention and MLP projections of every layer (for a MoE, where every
     layer is one here: its top-k experts and the router), plus the LM head."""
+    if cfg.model_type == "glm_moe_dsa":
+        return dsa_matmul_params(cfg)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     q_out, kv_out = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
     attention = cfg.hidden_size * (2 * q_out + 2 * kv_out)
@@ -124,6 +158,10 @@ def active_matmul_params(cfg) -> int:
 
 
 def flops_per_token(cfg, context: float) -> float:
+    if cfg.model_type == "glm_moe_dsa":  # a query attends to its top-k keys at most; q.k over 256 dims, then 256 v
+        qk_v = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2
+        attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * qk_v * min(context, cfg.index_topk)
+        return 6 * active_matmul_params(cfg) + attention
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * context
     return 6 * active_matmul_params(cfg) + attention
@@ -162,7 +200,7 @@ def build_random_model(cfg, impl: str, device: torch.device, hf_experts: str = "
     if impl == "custom":
         return ours
     cfg._attn_implementation = "sdpa"  # the transformers baseline: SDPA attention
-    if getattr(cfg, "num_experts", None):
+    if getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None):
         cfg._experts_implementation = hf_experts  # transformers' own choice of MoE kernel
     with torch.device(device):
         model = build_model(cfg, "hf").float()
@@ -479,7 +517,9 @@ def _main(args: argparse.Namespace, device: torch.device) -> None:
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     position_ids = torch.tensor(fake_batch(args.seq_len, args.num_samples, 2)[0].micro_batches[0].position_ids)
     attention = build_attention_layout(position_ids[None].to(device), compute_dtype).backend
-    is_moe = args.model == "tiny-moe" or args.model in MOE_MODELS
+    if args.packed_attention == "flex" and args.num_samples > 1:
+        attention = "flex"  # the layout names the default kernel; the model's packed_attention overrides it
+    is_moe = args.model == "tiny-moe" or args.model in MOE_MODELS or args.model in DSA_MODELS
     ac_mode = (" (keeps attention)" if args.keep_attention else " (full)") if args.ac else ""
     experts = f", experts {'loop' if args.expert_loop else 'grouped_mm'}" if is_moe else ""
     _print0(

@@ -122,7 +122,8 @@ def train_and_record(config: Any, result_path: Path, num_steps: int) -> None:
 
     def record_first_grads(optimizer, args, kwargs):
         if not grads:  # full_tensor() is a collective: every rank records
-            grads.update({_plain_name(n): _full(p.grad) for n, p in trainer.policy.named_parameters()})
+            named = trainer.policy.named_parameters()  # glm_moe_dsa's indexers never get a gradient (nor in hf)
+            grads.update({_plain_name(n): _full(p.grad) for n, p in named if p.grad is not None})
 
     trainer.optimizer.register_step_pre_hook(record_first_grads)
     metrics = []

@@ -1,7 +1,8 @@
 """Expert parallelism and context parallelism on CPU ranks (gloo) equal one process: loss and gradients after one
 step (<= 1e-5), weights after five steps (<= 1e-4). ep=2 and fsdp=2 x ep=2 train the MoE model with the tokens'
 all-to-all; cp=2 splits every packed row over two ranks that read one batch file (all-gathered K/V); ep=2 x cp=2
-(with activation checkpointing) does both on the same two ranks. Families: qwen3_moe, qwen3 and glm4_moe."""
+(with activation checkpointing) does both on the same two ranks. Families: qwen3_moe, qwen3, glm4_moe and
+glm_moe_dsa."""
 
 import pytest
 import torch
@@ -34,6 +35,13 @@ CASES = {
     "glm4_moe-cp2": ("glm4_moe", 2, 1, ParallelConfig(cp=2), "dppo_tv"),
     "glm4_moe-ep2-cp2-ac-replay": (
         "glm4_moe", 2, 1, ParallelConfig(ep=2, cp=2, activation_checkpointing=True), "dppo_tv"
+    ),
+    # GLM-5 (MLA + DSA: each query attends to the indexer's top 4 keys, so sparse in these rows): EP, CP (the MLA
+    # latent and the indexer keys all-gathered, every query ranking its whole sample), both with replay.
+    "glm_moe_dsa-ep2": ("glm_moe_dsa", 2, 2, ParallelConfig(ep=2), "dppo_tv"),
+    "glm_moe_dsa-cp2": ("glm_moe_dsa", 2, 1, ParallelConfig(cp=2), "dppo_tv"),
+    "glm_moe_dsa-ep2-cp2-ac-replay": (
+        "glm_moe_dsa", 2, 1, ParallelConfig(ep=2, cp=2, activation_checkpointing=True), "dppo_tv"
     ),
 }  # fmt: skip
 

@@ -21,6 +21,7 @@ from slipstream.models.registry import (
     load_pretrained,
     read_safetensors,
 )
+from tests.unit.moe_family_helpers import check_grouped_mm_matches_loop
 
 ATOL = 1e-4
 TINY = ["llama", "qwen3", "qwen3_moe"]
@@ -167,16 +168,7 @@ def test_moe_stats_match_transformers_aux_loss(name, model_dir):
 def test_grouped_mm_path_matches_expert_loop(model_dir):
     ours = load_pretrained(model_dir("qwen3_moe-big"), impl="custom")
     input_ids_BT, position_ids_BT = random_ids(700, 2, 32, seed=6), torch.arange(32).expand(2, 32)
-    results = []
-    for grouped in (False, True):
-        ours.set_grouped_mm(grouped)
-        ours.zero_grad(set_to_none=True)
-        logits = ours(input_ids_BT, position_ids_BT)
-        (logits * torch.linspace(-1, 1, logits.shape[-1])).mean().backward()
-        results.append((logits.detach(), {k: p.grad.clone() for k, p in ours.named_parameters()}))
-    (loop_logits, loop_grads), (gmm_logits, gmm_grads) = results
-    assert max_diff(loop_logits, gmm_logits) <= 1e-5
-    assert all(max_diff(loop_grads[k], gmm_grads[k]) <= 1e-5 for k in loop_grads)
+    check_grouped_mm_matches_loop(ours, input_ids_BT, position_ids_BT)
 
 
 @pytest.mark.parametrize("family", TINY)
@@ -246,7 +238,7 @@ def test_registry_unregistered_type_and_bad_impl():
     assert isinstance(build_model(config, "auto"), GPT2LMHeadModel)
     assert isinstance(build_model(config, "hf"), GPT2LMHeadModel)
     with pytest.raises(
-        ValueError, match=r"model_type 'gpt2' \(supported: glm4_moe, llama, minimax_m2, qwen3, qwen3_moe\)"
+        ValueError, match=r"model_type 'gpt2' \(supported: glm4_moe, glm_moe_dsa, llama, minimax_m2, qwen3, qwen3_moe\)"
     ):
         build_model(config, "custom")
     with pytest.raises(ValueError, match="unknown model impl 'fast'"):

@@ -7,6 +7,7 @@ import torch
 
 from slipstream.models.common.moe import MoE, TopKRouter
 from slipstream.models.registry import load_pretrained
+from tests.unit.moe_family_helpers import run_with_replay
 
 
 def _router(seed: int = 0) -> TopKRouter:
@@ -49,19 +50,8 @@ def test_model_replays_per_moe_block(tiny_model_factory, replay_own):
     torch.manual_seed(0)
     input_ids_BT = torch.randint(0, 500, (1, 12))
     position_ids_BT = torch.arange(12)[None]
-    own = []  # each MoE block's own top-k, recorded by a hook
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
-    hooks = [m.router.register_forward_hook(lambda mod, args, out: own.append(out[1].clone())) for m in moes]
-    with torch.no_grad():
-        h_plain = model.forward_hidden(input_ids_BT, position_ids_BT)
-    for hook in hooks:
-        hook.remove()
+    moes, h_plain, h_replay = run_with_replay(model, MoE, input_ids_BT, position_ids_BT, replay_own)
     assert model.num_moe_blocks == len(moes) == 2
-    replay_BTRA = torch.stack(own, dim=1)[None]  # [1, T, R, A]
-    if not replay_own:
-        replay_BTRA = (replay_BTRA + 1) % 8  # every token to other experts
-    with torch.no_grad():
-        h_replay = model.forward_hidden(input_ids_BT, position_ids_BT, replay_BTRA=replay_BTRA)
     if replay_own:
         assert torch.equal(h_replay, h_plain)
         assert all(m.router.replay_counts.tolist() == [12, 12] for m in moes)
@@ -69,4 +59,4 @@ def test_model_replays_per_moe_block(tiny_model_factory, replay_own):
         assert not torch.allclose(h_replay, h_plain, atol=1e-3)
         assert all(m.router.replay_counts[0] == 12 for m in moes)
     with pytest.raises(ValueError, match="MoE blocks"):
-        model.forward_hidden(input_ids_BT, position_ids_BT, replay_BTRA=replay_BTRA[:, :, :1])
+        model.forward_hidden(input_ids_BT, position_ids_BT, replay_BTRA=torch.zeros(1, 12, 1, 2, dtype=torch.long))

@@ -13,6 +13,9 @@ from torch import Tensor, nn
 from slipstream.models.glm4_moe import hf_adapter as glm4_moe_adapter
 from slipstream.models.glm4_moe.args import Glm4MoeArgs
 from slipstream.models.glm4_moe.model import Glm4Moe
+from slipstream.models.glm_moe_dsa import hf_adapter as glm_moe_dsa_adapter
+from slipstream.models.glm_moe_dsa.args import GlmMoeDsaArgs
+from slipstream.models.glm_moe_dsa.model import GlmMoeDsa
 from slipstream.models.llama import hf_adapter as llama_adapter
 from slipstream.models.llama.args import LlamaArgs
 from slipstream.models.llama.model import Llama
@@ -48,6 +51,9 @@ MODEL_SPECS: dict[str, ModelSpec] = {
     "qwen3": ModelSpec(Qwen3Args.from_hf_config, Qwen3, qwen3_adapter.from_hf, qwen3_adapter.to_hf),
     "qwen3_moe": ModelSpec(Qwen3MoeArgs.from_hf_config, Qwen3Moe, qwen3_moe_adapter.from_hf, qwen3_moe_adapter.to_hf),
     "glm4_moe": ModelSpec(Glm4MoeArgs.from_hf_config, Glm4Moe, glm4_moe_adapter.from_hf, glm4_moe_adapter.to_hf),
+    "glm_moe_dsa": ModelSpec(
+        GlmMoeDsaArgs.from_hf_config, GlmMoeDsa, glm_moe_dsa_adapter.from_hf, glm_moe_dsa_adapter.to_hf
+    ),
     "minimax_m2": ModelSpec(
         MiniMaxM2Args.from_hf_config, MiniMaxM2, minimax_m2_adapter.from_hf, minimax_m2_adapter.to_hf
     ),

@@ -1,5 +1,5 @@
-"""Tiny random models (llama, qwen3, qwen3_moe, glm4_moe, minimax_m2) with a locally trained byte-level BPE
-tokenizer, for tests.
+"""Tiny random models (llama, qwen3, qwen3_moe, glm4_moe, minimax_m2, glm_moe_dsa) with a locally trained byte-level
+BPE tokenizer, for tests.
 
 Built in a few seconds, deterministic for a seed, saved as float32 safetensors that transformers and vLLM (CPU) load.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 from slipstream.models.hub import check_replaceable, finalize_model_dir
 from slipstream.utils.fs import commit_dir
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "glm4_moe", "minimax_m2")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "glm4_moe", "minimax_m2", "glm_moe_dsa")
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]  # ids 0, 1, 2
 MAX_POSITIONS = 2048
@@ -95,8 +95,11 @@ def build_config(family: str, vocab_size: int, eos_token_id: int, pad_token_id: 
     q/k/v biases, q/k norm, a shared expert, group-limited routing (4 groups of 2, top 2 groups), scaling 2.5.
     minimax_m2 has MiniMax-M2's features: partial RoPE (rotary_dim 32 of 64), full-width q/k norm, sigmoid routing
     with a selection bias (random, as glm4_moe's), experts of width 64.
+    glm_moe_dsa has GLM-5's: MLA (q rank 64, kv rank 32, 4 heads of 32 nope + 32 rope key dims and 64 value dims),
+    a DSA indexer (32 heads, GLM-5's count, of 32 dims) keeping each query's top 4 keys (sparse from the 5th token on,
+    even in the short samples of the distributed tests), glm4_moe's MoE.
     """
-    from transformers import Glm4MoeConfig, LlamaConfig, MiniMaxM2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import Glm4MoeConfig, GlmMoeDsaConfig, LlamaConfig, MiniMaxM2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -132,6 +135,15 @@ def build_config(family: str, vocab_size: int, eos_token_id: int, pad_token_id: 
         common["intermediate_size"] = 64  # MiniMax-M2's intermediate_size is the routed experts' width
         moe = dict(num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.0)
         return MiniMaxM2Config(**common, **moe, rotary_dim=32, tie_word_embeddings=False)
+    if family == "glm_moe_dsa":
+        common.update(num_hidden_layers=3, num_key_value_heads=4)
+        moe = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1)
+        routing = dict(n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+        mla = dict(q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64)
+        dsa = dict(index_topk=4, index_n_heads=32, index_head_dim=32)
+        return GlmMoeDsaConfig(
+            **common, **moe, **routing, **mla, **dsa, first_k_dense_replace=1, tie_word_embeddings=False
+        )  # fmt: skip
     raise ValueError(f"unknown tiny model family '{family}' (known: {', '.join(FAMILIES)})")
 
 
@@ -160,7 +172,7 @@ def build_tiny_model(family: str, out_dir: Path, seed: int = 0, vocab_size: int 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # transformers inits the selection-only router bias at 0: make it matter in tests
-    if family in ("glm4_moe", "minimax_m2"):
+    if family in ("glm4_moe", "minimax_m2", "glm_moe_dsa"):
         with torch.no_grad():
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):

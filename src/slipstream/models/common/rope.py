@@ -121,3 +121,14 @@ def apply_rope(x_BTHK: Tensor, cos_BTR: Tensor, sin_BTR: Tensor) -> Tensor:
         return torch.cat((apply_rope(x_BTHR, cos_BTR, sin_BTR), x_pass), dim=-1)
     cos_BT1K, sin_BT1K = cos_BTR.unsqueeze(2), sin_BTR.unsqueeze(2)
     return x_BTHK * cos_BT1K + _rotate_half(x_BTHK) * sin_BT1K
+
+
+def apply_rope_interleaved(x_BTHR: Tensor, cos_BTR: Tensor, sin_BTR: Tensor) -> Tensor:
+    """Rotate heads whose rotated dims are INTERLEAVED pairs (x0, x1), (x2, x3), ... (DeepSeek's MLA, GLM-5), as
+    transformers' `apply_rotary_pos_emb_interleave`: pair i turns by frequency i, and the result comes out
+    de-interleaved (all first members, then all second members). Queries and keys are permuted alike, so their dot
+    products are those of the interleaved rotation."""
+    half = cos_BTR.shape[-1] // 2
+    cos_BT1k, sin_BT1k = cos_BTR[..., :half].unsqueeze(2), sin_BTR[..., :half].unsqueeze(2)
+    x1, x2 = x_BTHR[..., 0::2], x_BTHR[..., 1::2]
+    return torch.cat((x1 * cos_BT1k - x2 * sin_BT1k, x2 * cos_BT1k + x1 * sin_BT1k), dim=-1)

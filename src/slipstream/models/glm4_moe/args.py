@@ -43,16 +43,20 @@ class Glm4MoeArgs(TransformerArgs):
         qk_norm = bool(getattr(cfg, "use_qk_norm", False))
         fields = transformer_fields_from_hf(cfg, qk_norm=qk_norm, allow_partial_rotary=True)
         fields["mlp_bias"] = False
-        return cls(
-            **fields,
-            num_experts=cfg.n_routed_experts,
-            num_experts_per_tok=cfg.num_experts_per_tok,
-            moe_intermediate_size=cfg.moe_intermediate_size,
-            n_shared_experts=cfg.n_shared_experts,
-            first_k_dense_replace=cfg.first_k_dense_replace,
-            norm_topk_prob=bool(cfg.norm_topk_prob),
-            n_group=cfg.n_group or 1,
-            topk_group=cfg.topk_group or 1,
-            routed_scaling_factor=float(cfg.routed_scaling_factor),
-            num_mtp_layers=int(getattr(cfg, "num_nextn_predict_layers", 0) or 0),
-        )
+        return cls(**fields, **moe_fields_from_hf(cfg))
+
+
+def moe_fields_from_hf(cfg: Any) -> dict[str, Any]:
+    """Glm4MoeArgs' own fields from a GLM-4.5 (or GLM-5: the same names) config."""
+    return dict(
+        num_experts=cfg.n_routed_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        n_shared_experts=cfg.n_shared_experts,
+        first_k_dense_replace=cfg.first_k_dense_replace,
+        norm_topk_prob=bool(cfg.norm_topk_prob),
+        n_group=cfg.n_group or 1,
+        topk_group=cfg.topk_group or 1,
+        routed_scaling_factor=float(cfg.routed_scaling_factor),
+        num_mtp_layers=int(getattr(cfg, "num_nextn_predict_layers", 0) or 0),
+    )

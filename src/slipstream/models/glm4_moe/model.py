@@ -12,20 +12,24 @@ from slipstream.models.common.transformer import MoETransformerBlock, Transforme
 from slipstream.models.glm4_moe.args import Glm4MoeArgs
 
 
+def build_shared_expert_moe(args: Glm4MoeArgs) -> SharedExpertMoE:
+    """GLM-4.5's MoE layer (GLM-5's too): routed experts behind the sigmoid group-limited router, plus shared ones."""
+    return SharedExpertMoE(
+        args.hidden_size,
+        args.moe_intermediate_size,
+        args.num_experts,
+        args.num_experts_per_tok,
+        args.norm_topk_prob,
+        shared_hidden_dim=args.moe_intermediate_size * args.n_shared_experts,
+        num_groups=args.n_group,
+        topk_groups=args.topk_group,
+        routed_scaling_factor=args.routed_scaling_factor,
+    )
+
+
 def build_block(args: Glm4MoeArgs, layer: int) -> nn.Module:
     if args.is_moe_layer(layer):
-        moe = SharedExpertMoE(
-            args.hidden_size,
-            args.moe_intermediate_size,
-            args.num_experts,
-            args.num_experts_per_tok,
-            args.norm_topk_prob,
-            shared_hidden_dim=args.moe_intermediate_size * args.n_shared_experts,
-            num_groups=args.n_group,
-            topk_groups=args.topk_group,
-            routed_scaling_factor=args.routed_scaling_factor,
-        )
-        block = MoETransformerBlock(args, moe)
+        block = MoETransformerBlock(args, build_shared_expert_moe(args))
     else:
         block = TransformerBlock(args, SwiGLU(args.hidden_size, args.intermediate_size))
     if args.attention_bias:  # GLM: biases on q/k/v only, never on the output projection
