@@ -7,6 +7,39 @@ from pydantic import Field, model_validator
 
 from slipstream.config.base import BaseConfig
 
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts")
+"""Attention and MLP projections of every family (their Hugging Face names) and the stacked MoE experts."""
+
+
+class LoRAConfig(BaseConfig):
+    """Low-rank adapters (LoRA): each targeted weight W is used as W + (alpha / rank) * B @ A with A [rank, in] and
+    B [out, rank] trained and W frozen (models/common/lora.py); B starts at zero, so step 0 is the base model. Only
+    the adapters are in the optimizer and in checkpoints; published weights are a PEFT adapter (adapter_config.json +
+    adapter_model.safetensors) that inference serves under `name`, and SFT's final folder is the merged model."""
+
+    rank: int = Field(16, ge=1)
+    """Rank r of each adapter (vLLM is started with --max-lora-rank of at least this)."""
+
+    alpha: float = Field(32.0, gt=0.0)
+    """Scale numerator: the adapter adds (alpha / rank) * B @ A x."""
+
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input during training (as PEFT's lora_dropout). Non-zero makes the trainer's
+    log-probs differ from inference's in RL; keep 0 there."""
+
+    target_modules: list[str] = Field(list(LORA_DEFAULT_TARGETS), min_length=1)
+    """Module names that get adapters: a linear layer whose own name (the last part of its path, e.g. `q_proj`) is
+    listed, and every stacked-experts module (gate/up/down of each expert, one adapter per expert) when `experts` is
+    listed. The default covers attention and MLP projections of every family and MoE experts; names a model lacks are
+    skipped, and an error is raised when nothing matches."""
+
+    name: str = Field("policy-lora", min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    """Name inference serves the adapter under (the model name the orchestrator requests in RL)."""
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
 
 class ModelConfig(BaseConfig):
     """Which model to train and serve."""
@@ -30,6 +63,10 @@ class ModelConfig(BaseConfig):
     """Dtype inference serves and weights are published in; also the trainer's compute dtype (its master
     weights and optimizer state stay float32). float32 keeps CPU runs exact; `slipstream rl` uses bfloat16 instead
     when this is left unset and its processes get GPUs (deployment)."""
+
+    lora: LoRAConfig | None = None
+    """`[model.lora]`: train low-rank adapters on the frozen model instead of all its weights; None: full
+    fine-tuning."""
 
     @model_validator(mode="after")
     def _check_revision(self) -> "ModelConfig":

@@ -251,6 +251,11 @@ class TrainerConfig(BaseConfig):
                 "trainer.packed_attention = 'flex' runs in Slipstream's own models: set model_impl = 'custom' or "
                 "'auto', or packed_attention = 'varlen'"
             )
+        if self.fp8 and self.model.lora is not None:
+            raise ValueError(
+                "trainer.fp8 = true with [model.lora] is not supported (the FP8 layers have no adapters); set fp8 = "
+                "false or remove [model.lora]"
+            )
         if self.fp8 and self.model_impl == "hf":
             raise ValueError(
                 "trainer.fp8 = true needs trainer.model_impl 'custom' or 'auto' (FP8 layers are swapped into "

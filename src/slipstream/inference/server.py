@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from slipstream.config.inference import InferenceConfig
+from slipstream.config.shared import LoRAConfig
 from slipstream.inference.instance import INSTANCE_ENV, new_instance_id
 from slipstream.inference.options import option_args, option_env, setup_mooncake_config
 from slipstream.inference.vllm_plugin import ENGINE_BACKEND
@@ -49,7 +50,22 @@ def build_vllm_argv(config: InferenceConfig, model_path: Path) -> list[str]:
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
     if config.device == "cuda" or (config.device == "auto" and _has_cuda()):
         argv += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
-    return argv + option_args(config) + list(config.extra_args)
+    return argv + lora_args(config.model.lora) + option_args(config) + list(config.extra_args)
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32 accepts for --max-lora-rank."""
+
+
+def lora_args(lora: LoRAConfig | None) -> list[str]:
+    """With `model.lora`: serve one adapter (the policy, loaded and reloaded in place by the orchestrator through
+    /v1/load_lora_adapter) of at most the configured rank, on top of the frozen base model."""
+    if lora is None:
+        return []
+    max_rank = next((r for r in VLLM_LORA_RANKS if r >= lora.rank), None)
+    if max_rank is None:
+        raise ValueError(f"model.lora.rank = {lora.rank} is above vLLM's largest LoRA rank ({VLLM_LORA_RANKS[-1]})")
+    return ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", "1"]
 
 
 def build_vllm_env(config: InferenceConfig, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -63,8 +79,27 @@ def build_vllm_env(config: InferenceConfig, base: dict[str, str] | None = None) 
         VLLM_CONFIGURE_LOGGING="1",
     )
     env.update(option_env(config))  # DeepGEMM on/off
+    if config.model.lora is not None:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter (the policy's adapter every step)
     env[INSTANCE_ENV] = new_instance_id()  # see slipstream.inference.instance
     return env
+
+
+MOE_CONFIG_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+"""HF config keys that mark a mixture-of-experts model."""
+
+
+def check_lora_servable(config: InferenceConfig, model_path: Path) -> None:
+    """vLLM 0.32 wraps every MoE layer for LoRA with a Triton-only kernel: on its CPU build the first request to an
+    adapter kills the engine (whatever the adapter targets). Refuse that pairing up front, saying what to change."""
+    if config.model.lora is None or config.device == "cuda" or (config.device == "auto" and _has_cuda()):
+        return
+    hf_config = json.loads((Path(model_path) / "config.json").read_text())
+    if any(hf_config.get(key) for key in MOE_CONFIG_KEYS):
+        raise ValueError(
+            f"[model.lora] on the mixture-of-experts model {config.model.name} needs vLLM's GPU build: vLLM's CPU build "
+            "has no kernel for LoRA on MoE layers. Serve it on GPUs, train a dense model, or drop [model.lora]"
+        )
 
 
 def _has_cuda() -> bool:
@@ -89,6 +124,7 @@ def run_inference(config: InferenceConfig) -> int:
         )
         return 2
     model_path = resolve_model_config(config.model)
+    check_lora_servable(config, model_path)
     if len(config.engines) > 1 or config.uses_router:
         from slipstream.inference.group import run_inference_group
 

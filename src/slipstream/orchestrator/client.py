@@ -176,8 +176,10 @@ class InferenceClient:
         json: Any = None,
         params: Mapping[str, str] | None = None,
         headers: Mapping[str, str] | None = None,
+        text_reply: bool = False,
     ) -> Any:
-        """POST and return the decoded JSON body (None for an empty body); errors name the call and the reply."""
+        """POST and return the decoded JSON body (None for an empty body), or with `text_reply` the body's text;
+        errors name the call and the reply."""
         where, expected = f"POST {self.base_url}{path}", self.instance
         try:
             response = await self._http.post(path, json=json, params=params, headers=headers)
@@ -192,6 +194,8 @@ class InferenceClient:
             raise self._unavailable(f"{where} returned HTTP {response.status_code}: {response.text[:500]}")
         if response.status_code != 200:
             raise request_error(f"{self.base_url}{path}", response.status_code, response.text)
+        if text_reply:
+            return response.text
         return _json_reply(response, where) if response.content else None
 
     async def get_text(self, path: str) -> str:
@@ -392,6 +396,30 @@ class InferenceClient:
             if errors := [r for r in results if isinstance(r, BaseException)]:
                 raise errors[0]
         return WeightLoad(seconds=time.perf_counter() - start, prefix_cache_reset=all(resets))
+
+    async def load_lora_adapter(
+        self, name: str, path: str, before_resume: Callable[[], None] | None = None
+    ) -> WeightLoad:
+        """Serve the LoRA adapter folder `path` as model `name` (`--enable-lora`), replacing the adapter of that name
+        in place, with in-flight requests frozen: /pause (keep), /v1/load_lora_adapter (load_inplace),
+        /reset_prefix_cache, `before_resume` (only if all succeeded), /resume. From then on requests name `name`."""
+        start = time.perf_counter()
+        engines = self.admin_clients
+        body = {"lora_name": name, "lora_path": path, "load_inplace": True}
+        try:
+            await asyncio.gather(*(e.post("/pause", params={"mode": "keep", "clear_cache": "false"}) for e in engines))
+            await asyncio.gather(*(e.post("/v1/load_lora_adapter", json=body, text_reply=True) for e in engines))
+            resets = await asyncio.gather(*(e.post("/reset_prefix_cache") for e in engines))
+            for client in (self, *self.engines):
+                client.model_name = name
+            if before_resume is not None:
+                before_resume()
+        finally:
+            results = await asyncio.gather(*(e.post("/resume") for e in engines), return_exceptions=True)
+            if errors := [r for r in results if isinstance(r, BaseException)]:
+                raise errors[0]
+        reset = all(bool((r or {}).get("success", False)) if isinstance(r, dict) else False for r in resets)
+        return WeightLoad(seconds=time.perf_counter() - start, prefix_cache_reset=reset)
 
     async def _load_paused(self, version: int, update_info: dict[str, Any], init_info: dict[str, Any] | None) -> bool:
         """The load itself on one paused engine; whether its prefix cache was reset."""

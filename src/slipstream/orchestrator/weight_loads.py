@@ -40,6 +40,9 @@ class WeightLoader:
     output_dir: Path
     weights: WeightsConfig
     session: TransferSession | None = field(default=None)
+    lora_name: str | None = None
+    """With model.lora: versions are LoRA adapter folders, served under this model name (version 0 is the base
+    model itself, whose adapter is zero)."""
 
     def by_broadcast(self, version: int) -> bool:
         """Whether `version` must come by broadcast: offered, not yet delivered (then it is not on disk yet)."""
@@ -47,6 +50,11 @@ class WeightLoader:
 
     async def load(self, version: int, before_resume=None) -> WeightLoad:
         """Have inference take `version` (in-flight requests frozen meanwhile; see InferenceClient.load_weights)."""
+        if self.lora_name is not None:
+            if not is_ready(self.output_dir, version):
+                raise FileNotFoundError(f"{weights_dir(self.output_dir, version)} is not complete on disk (READY)")
+            path = str(weights_dir(self.output_dir, version))
+            return await self.client.load_lora_adapter(self.lora_name, path, before_resume=before_resume)
         if not self.by_broadcast(version):
             if not is_ready(self.output_dir, version):
                 raise FileNotFoundError(

@@ -50,7 +50,8 @@ class WeightRelay:
         self.config = config
         self.output_dir = Path(config.output_dir).resolve()
         self.served_version = served_version
-        self.loader = WeightLoader(client, self.output_dir, config.weights)
+        lora_name = config.model.lora.name if config.model.lora is not None else None
+        self.loader = WeightLoader(client, self.output_dir, config.weights, lora_name=lora_name)
         self.updating = False
         self.on_change: Callable[[], None] = lambda: None
         self.pending_metrics: dict[str, float] = {}

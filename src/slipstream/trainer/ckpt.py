@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from slipstream.parallel.dist import RankInfo, barrier
 from slipstream.rundir import COMMITTED, TRAINER_PART, RunDir, step_dirs
@@ -29,6 +29,12 @@ from slipstream.utils.fs import atomic_write_text, commit_dir
 
 CKPT_FORMAT_VERSION = 1
 PROGRESS = "progress.json"
+STATE_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+"""Frozen parameters are not saved: with LoRA (model.lora) a checkpoint holds the adapters and their optimizer
+state only, the base weights come from model.name again on resume. Without LoRA nothing is frozen."""
+LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+"""Loading leaves the frozen parameters as they are (not strict about them); dcp.load has already failed on any
+trainable key the checkpoint lacks."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,7 @@ def save_checkpoint(
             shutil.rmtree(tmp_dir)  # left by a run that died while checkpointing
         (tmp_dir / "rng").mkdir(parents=True)
     barrier()
-    model_sd, optim_sd = get_state_dict(policy, optimizer)
+    model_sd, optim_sd = get_state_dict(policy, optimizer, options=STATE_OPTIONS)
     with _single_process_ok():
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp_dir, no_dist=not dist.is_initialized())
     torch.save(_rng_state(), tmp_dir / "rng" / f"rank_{info.rank}.pt")
@@ -107,11 +113,13 @@ def load_checkpoint(
             f"{path} holds {saved} (format {progress['format_version']}) but this run expects {expected} (format "
             f"{CKPT_FORMAT_VERSION}); resume with the model and trainer.model_impl the checkpoint was written with"
         )
-    model_sd, optim_sd = get_state_dict(policy, optimizer)
+    model_sd, optim_sd = get_state_dict(policy, optimizer, options=STATE_OPTIONS)
     state = {"model": model_sd, "optimizer": optim_sd}
     with _single_process_ok():
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
-    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(
+        policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=LOAD_OPTIONS
+    )
     rng_path = path / "rng" / f"rank_{info.rank}.pt"
     if rng_path.is_file():
         _set_rng_state(torch.load(rng_path, weights_only=True))

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.config.trainer import TrainerConfig
+from slipstream.trainer.lora_export import MERGED_DIR, adapter_plan, gather_adapter, write_peft_adapter
 from slipstream.trainer.setup import Trainer
 from slipstream.trainer.weight_export import HFWeightStream
 from slipstream.trainer.weights import (
@@ -58,11 +59,18 @@ def resolve_transport(transport: str, device: torch.device) -> str:
 
 
 class WeightPublisher:
-    """Publishes weight versions for one trainer process (every rank has one; rank 0 does the writing/sending)."""
+    """Publishes weight versions for one trainer process (every rank has one; rank 0 does the writing/sending).
 
-    def __init__(self, trainer: Trainer, config: TrainerConfig) -> None:
+    With `model.lora` and `adapters` (the RL trainer) a version is the LoRA adapter alone, written as a PEFT folder
+    (trainer/lora_export.py) that inference loads in place; without `adapters` (SFT's final export) it is the merged
+    model."""
+
+    def __init__(self, trainer: Trainer, config: TrainerConfig, adapters: bool = False) -> None:
         self.trainer, self.config = trainer, config
-        self.transport = resolve_transport(config.weights.transport, trainer.device)
+        self.lora = config.model.lora if adapters else None
+        self.adapter_plan = adapter_plan(trainer.model) if self.lora is not None else None
+        # An adapter is small: it always goes through the filesystem (vLLM's LoRA loader reads a folder).
+        self.transport = "filesystem" if self.lora else resolve_transport(config.weights.transport, trainer.device)
         self.bucket_bytes = config.weights.bucket_mb << 20
         self.store = None
         self.group = None
@@ -89,6 +97,8 @@ class WeightPublisher:
         stream = self.stream
         manifest = Manifest(step, self.buckets)
         t_probe = time.perf_counter()
+        if self.lora is not None:
+            return self._publish_adapter(step, probe) | {"weights/probe_s": t_probe - start}
         if self.transport == "filesystem":
             attempts = self._publish_files(step, stream, manifest, probe)
         else:
@@ -101,6 +111,30 @@ class WeightPublisher:
             "weights/probe_s": t_probe - start,
             "weights/send_attempts": float(attempts),
         }
+
+    def _publish_adapter(self, step: int, probe: dict) -> dict[str, float]:
+        """`weights/step_N/` = the PEFT adapter + probe.json + READY, built under a temporary name (all ranks gather
+        the adapters; rank 0 writes). The last step's folder also holds the merged model in `merged/` (a Hugging
+        Face folder that `model.name` accepts)."""
+        start = time.perf_counter()
+        tensors = gather_adapter(self.adapter_plan, self.trainer.compute_dtype)
+        num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        folder = weights_dir(self.config.output_dir, step)
+        tmp = folder.parent / f".tmp_{folder.name}_{os.getpid()}"
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if step == self.config.max_steps:  # every rank: the merged stream gathers FSDP shards
+            manifest = Manifest(step, self.buckets)
+            write_weights_folder(tmp / MERGED_DIR, self.stream, manifest, probe, self.files, self.is_main, self.buffers)
+        if self.is_main:
+            base = str(self.trainer.model_dir)
+            write_peft_adapter(tmp, tensors, self.lora, self.adapter_plan, base)
+            atomic_write_text(tmp / PROBE, _json(probe))
+            atomic_write_text(tmp / READY, f"{step}\n")
+            make_world_readable(tmp)
+            commit_dir(tmp, folder)
+        seconds = time.perf_counter() - start
+        return {"weights/bytes": float(num_bytes), "weights/send_s": seconds, "weights/send_attempts": 1.0}
 
     def _keeps_files(self, step: int) -> bool:
         c = self.config

@@ -28,7 +28,7 @@ __all__ = ["run_trainer", "setup_trainer"]
 def run_trainer(config: TrainerConfig) -> None:
     """Train steps start_step + 1 .. max_steps; step N's weights are published as policy version N (by rank 0)."""
     trainer = setup_trainer(config)
-    publisher = WeightPublisher(trainer, config)
+    publisher = WeightPublisher(trainer, config, adapters=True)
     monitors = Monitors(config, "trainer") if trainer.info.is_main else None
     try:
         writer = MetricsWriter(config.output_dir) if trainer.info.is_main else None

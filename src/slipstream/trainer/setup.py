@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 from slipstream.config.shared import ModelConfig
 from slipstream.config.trainer import TrainerConfig
 from slipstream.models.common.fp8 import apply_fp8
+from slipstream.models.common.lora import apply_lora
 from slipstream.models.common.moe import find_grouped_experts
 from slipstream.parallel.cp import ContextParallel
 from slipstream.parallel.dist import RankInfo, barrier, init_distributed, rank_device, read_rank_info
@@ -109,6 +110,7 @@ def setup_trainer(config: TrainerConfig) -> Trainer:
         model.packed_attention = config.packed_attention
     if config.fp8:  # swap in the FP8 layers before any parallelism wraps them (models/common/fp8.py)
         apply_fp8(model, device)
+    setup_lora(model, config)
     compute_dtype = DTYPES[config.model.dtype]
     mesh = build_mesh(dims, device.type) if info.world_size > 1 else None
     context_parallel = ContextParallel(mesh.cp) if mesh is not None and mesh.cp is not None else None
@@ -147,6 +149,21 @@ def setup_trainer(config: TrainerConfig) -> Trainer:
     )
     maybe_resume(trainer, config)
     return trainer
+
+
+def setup_lora(model: nn.Module, config: TrainerConfig) -> None:
+    """With `model.lora`: add the adapters (seeded by trainer.seed) and freeze the base weights, before any
+    parallelism wraps the model."""
+    lora = config.model.lora
+    if lora is None:
+        return
+    adapted = apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+    if read_rank_info().is_main:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        print(
+            f"[trainer] LoRA rank {lora.rank} on {len(adapted)} modules: {trainable:,} of {total:,} parameters trained"
+        )
 
 
 def check_parallel_fits_model(dims: ParallelDims, model: nn.Module, impl: str) -> None:
@@ -188,10 +205,11 @@ def build_optimizer(policy: nn.Module, config: TrainerConfig, device: torch.devi
     if optim.cpu_offload and any(p.device.type != "cpu" for p in policy.parameters()):
         raise RuntimeError("trainer.optim.cpu_offload is set but parallelize_model left parameters on the GPU")
     hyper = dict(lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+    params = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters only
     if optim.state_dtype == "bfloat16":
-        return AdamWBf16Moments(policy.parameters(), **hyper)
+        return AdamWBf16Moments(params, **hyper)
     fused = device.type == "cuda" and not optim.cpu_offload
-    return torch.optim.AdamW(policy.parameters(), **hyper, fused=True if fused else None)
+    return torch.optim.AdamW(params, **hyper, fused=True if fused else None)
 
 
 def maybe_resume(trainer: Trainer, config: TrainerConfig) -> None:

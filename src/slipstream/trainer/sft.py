@@ -1,5 +1,6 @@
 """SFT loop (`slipstream sft`): take step N's samples, train on this rank's share, validate, log, checkpoint with
-the data position; at the end publish the model as a Hugging Face folder `weights/step_<max_steps>/`.
+the data position; at the end publish the model as a Hugging Face folder `weights/step_<max_steps>/` (with LoRA:
+the merged model, plus the adapter in PEFT format in its `adapter/` folder).
 
 Model loading, parallelism (FSDP/EP/CP/AC/compile), AdamW, checkpoints and the weight export are the RL trainer's
 (setup_trainer, trainer/ckpt.py, trainer/publish.py), driven by `SFTConfig.trainer_config()`.
@@ -14,6 +15,7 @@ from slipstream.monitor.metrics import MetricsWriter, format_progress
 from slipstream.parallel.dist import barrier
 from slipstream.rundir import RunDir
 from slipstream.trainer.ckpt import committed_steps
+from slipstream.trainer.lora_export import ADAPTER_DIR, export_peft_adapter
 from slipstream.trainer.publish import WeightPublisher
 from slipstream.trainer.rl import NonFiniteGuard, maybe_checkpoint
 from slipstream.trainer.setup import Trainer, setup_trainer, teardown_trainer
@@ -131,12 +133,18 @@ def maybe_checkpoint_sft(
 
 
 def export_model(trainer: Trainer, trainer_config: TrainerConfig) -> None:
-    """Write `weights/step_<max_steps>/` (HF safetensors + config + tokenizer), gathered layer by layer."""
+    """Write `weights/step_<max_steps>/` (HF safetensors + config + tokenizer), gathered layer by layer; with LoRA
+    that is the merged model, and the adapter alone goes to its `adapter/` folder (PEFT format)."""
     publisher = WeightPublisher(trainer, trainer_config)
     try:
         publisher.publish(trainer_config.max_steps)
     finally:
         publisher.close()
+    folder = RunDir(trainer_config.output_dir).weights_dir(trainer_config.max_steps)
+    lora = trainer_config.model.lora
+    if lora is not None:  # the merged model above; the adapter alone beside its files
+        export_peft_adapter(trainer.model, folder / ADAPTER_DIR, lora, str(trainer.model_dir), trainer.info.is_main)
     if trainer.info.is_main:
-        folder = RunDir(trainer_config.output_dir).weights_dir(trainer_config.max_steps)
         print(f"[sft] model written to {folder} (usable as model.name)", flush=True)
+        if lora is not None:
+            print(f"[sft] LoRA adapter (PEFT format) written to {folder / ADAPTER_DIR}", flush=True)

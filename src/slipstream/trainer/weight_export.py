@@ -2,7 +2,8 @@
 shards (the layer's FSDP unit is unsharded in one all-gather, the next layer's gather already in flight; parameters
 outside any unit fall back to `full_tensor()`; all collectives, so all ranks iterate in lockstep), the tensors are
 renamed (our models through their family's adapter, experts unstacked), and only
-that layer is held in full.
+that layer is held in full. LoRA adapters are folded into their weights (a merged model; trainer/lora_export.py
+writes the adapter alone).
 
 The stream's metadata (names, dtypes, shapes) is known before any gather, so the bucket plan can be sent first.
 The tensors are cast to the published dtype where they are copied into their bucket (transport/bucket_assembly.py).
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from slipstream.models.common.lora import is_lora_name, merged_tensor
 from slipstream.transport.bucket_assembly import Run
 from slipstream.transport.weight_stream import TensorMeta
 
@@ -115,6 +117,7 @@ class HFWeightStream:
                 tensor = getattr(module, attr)  # FSDP swaps in the unsharded parameter while its unit is unsharded
                 if isinstance(tensor, DTensor):
                     tensor = tensor.full_tensor()  # outside any unit: gathered alone
+                tensor = merged_tensor(module, attr, tensor)  # LoRA: the adapter folded in (W + s B A)
                 if first is None:
                     runs.append(Run(names, tensor, False))
                 else:
@@ -206,12 +209,13 @@ def _locations(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
 
 def _named_tensors(model: nn.Module) -> dict[str, Tensor]:
     """The model's state (parameters and persistent buffers) under clean names; a tensor shared by two names (a tied
-    head) appears once, under its first name, as save_pretrained writes it."""
+    head) appears once, under its first name, as save_pretrained writes it. LoRA adapters are left out: the stream
+    publishes the merged weights."""
     out: dict[str, Tensor] = {}
     seen: set[int] = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
         key = id(tensor)
-        if key in seen:
+        if key in seen or is_lora_name(name):
             continue
         seen.add(key)
         out[clean_name(name)] = tensor

@@ -146,6 +146,7 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     (tied parameters stay tied; buffers are copied as they are; tensors the model keeps in float32 stay float32).
     The float32 masters are never copied in full: each parameter is cast straight into the copy, so the extra
     memory is one model in `dtype`."""
+    from slipstream.models.common.lora import has_lora, merged_state_dict
     from slipstream.trainer.weight_export import is_kept_in_fp32, keep_in_fp32
 
     params = list(model.parameters())
@@ -157,10 +158,9 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
         with torch.device("meta"):
             copy_ = type(model)(model.args)
         kept = keep_in_fp32(model)
-        state_dict = {
-            k: v.detach().to(torch.float32 if is_kept_in_fp32(k, kept) else dtype)
-            for k, v in model.state_dict().items()
-        }
+        # LoRA: the copy is the merged model (W + s B A), the same function as the adapted one.
+        source = merged_state_dict(model) if has_lora(model) else model.state_dict()
+        state_dict = {k: v.detach().to(torch.float32 if is_kept_in_fp32(k, kept) else dtype) for k, v in source.items()}
         copy_.load_state_dict(state_dict, strict=True, assign=True)
         return copy_
     # deepcopy takes objects already in its memo as their copies: pre-seed it with the cast parameters.

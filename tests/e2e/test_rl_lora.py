@@ -1,0 +1,125 @@
+"""RL with `[model.lora]` end to end through real vLLM (CPU build): vLLM serves the base model with --enable-lora, the
+trainer publishes each step's adapter as a PEFT folder, the orchestrator loads it in place under the adapter's name
+and verifies every load with the trainer's probe; the published adapter reproduces inference's log-probs in peft."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from slipstream.trainer.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_DIR
+from tests.e2e.helpers import processes_with_marker, resume_config, tiny_rl_config, write_config
+from tests.e2e.test_resume import _finish, _metrics, _rl, _victim_pid, _wait_gone
+from tests.e2e.test_rl_tiny import LOGPROB_TOLERANCE, MIN_CHANGE_PER_STEP, _read_jsonl
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+
+
+def test_lora_rl_three_steps_with_verified_adapter_loads(tiny_qwen3_dir, tmp_path, run_env):
+    marker, env = run_env
+    out = tmp_path / "run"
+    config = tiny_rl_config(tiny_qwen3_dir, out, max_steps=3, trainer={"optim": {"lr": 2e-2, "max_grad_norm": 10.0}})
+    config["model"]["lora"] = {"rank": 8, "alpha": 16.0, "name": "tiny-lora"}
+    cfg = write_config(tmp_path / "rl.toml", config)
+    proc = subprocess.run(
+        [sys.executable, "-m", "slipstream", "rl", "-c", str(cfg)], env=env, capture_output=True, text=True, timeout=840
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert [m["step"] for m in _read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+
+    checks = _read_jsonl(out / "weight_checks.jsonl")
+    steps = [c["step"] for c in checks]
+    assert steps == sorted(set(steps)) and steps[-1] == 3 and len(steps) >= 2, steps
+    previous = None
+    for check in checks:
+        assert check["passed"] and check["max_abs_diff"] <= LOGPROB_TOLERANCE, check
+        if previous is not None:  # each load changed what inference serves
+            assert (
+                max(abs(a - b) for a, b in zip(check["inference_logprobs"], previous, strict=True))
+                > MIN_CHANGE_PER_STEP
+            )
+        previous = check["inference_logprobs"]
+
+    # The served version is a PEFT adapter folder (the last one with the merged model in merged/), and both reproduce
+    # inference's log-probs.
+    final = out / "weights" / "step_3"
+    assert (final / "READY").exists() and (final / ADAPTER_WEIGHTS).exists()
+    assert not list(final.glob("model*.safetensors")) and (final / MERGED_DIR / "READY").exists()
+    assert json.loads((final / ADAPTER_CONFIG).read_text())["r"] == 8
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    token_ids = json.loads((final / "probe.json").read_text())["token_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        logits = PeftModel.from_pretrained(hf, final).eval()(input_ids=torch.tensor([token_ids])).logits[0]
+        merged = AutoModelForCausalLM.from_pretrained(final / MERGED_DIR, dtype=torch.float32).eval()
+        merged_logits = merged(input_ids=torch.tensor([token_ids])).logits[0]
+    served = torch.tensor(checks[-1]["inference_logprobs"])
+    for out_logits in (logits, merged_logits):  # the adapter in peft, and the last step's merged model
+        logprobs = out_logits.log_softmax(-1)[:-1].gather(-1, torch.tensor(token_ids[1:])[:, None])[:, 0]
+        assert (logprobs - served).abs().max() <= LOGPROB_TOLERANCE
+
+    deadline = time.monotonic() + 10
+    while processes_with_marker(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_with_marker(marker) == [], "processes left behind by the run"
+
+
+def _lora_resume_config(model_dir, out):
+    config = resume_config(model_dir, out)
+    config["model"]["lora"] = {"rank": 8, "alpha": 16.0}
+    config["trainer"]["optim"]["lr"] = 2e-2
+    return config
+
+
+def test_lora_rl_resume_matches_an_uninterrupted_run(tiny_qwen3_dir, tmp_path, run_env):
+    """Kill -9 the trainer after the checkpoint of step 2, `--resume`: the adapter and its AdamW state come back from
+    the checkpoint, the orchestrator serves step 2's adapter again, and the run ends with the losses and the adapter
+    of an uninterrupted run (synchronous, seeded requests)."""
+    marker, env = run_env
+    reference, out = tmp_path / "reference", tmp_path / "run"
+    ref_cfg = write_config(tmp_path / "ref.toml", _lora_resume_config(tiny_qwen3_dir, reference))
+    stdout, stderr = _finish(_rl(ref_cfg, env), 600)
+    _wait_gone(marker)
+    assert "[slipstream] step 4/4" in stdout, f"stdout:\n{stdout}\nstderr:\n{stderr}"
+
+    cfg = write_config(tmp_path / "rl.toml", _lora_resume_config(tiny_qwen3_dir, out))
+    launcher = _rl(cfg, env)
+    try:
+        deadline = time.monotonic() + 400
+        while not (out / "checkpoints/step_2/COMMITTED").exists():
+            assert launcher.poll() is None, launcher.communicate()
+            assert time.monotonic() < deadline, "the run never committed step 2"
+            time.sleep(0.02)
+        os.kill(_victim_pid(marker, "trainer"), signal.SIGKILL)
+        _finish(launcher, 60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    _wait_gone(marker)
+    resumed = _rl(cfg, env, "--resume")
+    stdout, stderr = _finish(resumed, 600)
+    assert resumed.returncode == 0, f"stdout:\n{stdout}\nstderr:\n{stderr}"
+    _wait_gone(marker)
+    assert "resumed from" in (out / "logs" / "trainer.log").read_text()
+
+    metrics, want = _metrics(out), _metrics(reference)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for got, ref in zip(metrics, want, strict=True):
+        for key in ("loss", "grad_norm", "reward/mean", "num_tokens"):
+            assert got[key] == ref[key], (got["step"], key, got[key], ref[key])
+    final = load_file(out / "weights" / "step_4" / ADAPTER_WEIGHTS)
+    ref_final = load_file(reference / "weights" / "step_4" / ADAPTER_WEIGHTS)
+    assert final.keys() == ref_final.keys()
+    assert all(torch.equal(final[k], ref_final[k]) for k in final)
+    assert all(c["passed"] for c in _read_jsonl(out / "weight_checks.jsonl"))
