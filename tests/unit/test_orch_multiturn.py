@@ -158,7 +158,7 @@ def talk_script(messages, tools):
 
 
 def run_env(tmp_path, monkeypatch, env, server, **overrides):
-    monkeypatch.setattr("slipstream.orchestrator.loop.build_env", lambda name, **args: env)
+    monkeypatch.setattr("slipstream.envs.hosting.build_env", lambda name, **args: env)
     fields = dict(max_steps=2, batch_size=4, group_size=2, num_trainer_ranks=1, max_async_level=1)
     config = make_config(tmp_path, "", **{**fields, **overrides})
     run_with_trainer(config, server, 1)
@@ -354,7 +354,7 @@ def test_tool_call_parser_flags(monkeypatch):
 def test_multi_turn_on_whole_replies_with_token_versions(tmp_path, monkeypatch):
     """version_tracking = "reply" (the simulator): one whole reply per turn, each token's version from the server.
     The simulator re-renders replies as text, so every later turn breaks the prefix and starts a sample."""
-    monkeypatch.setattr("slipstream.orchestrator.loop.build_env", lambda name, **args: TalkEnv())
+    monkeypatch.setattr("slipstream.envs.hosting.build_env", lambda name, **args: TalkEnv())
     server = SimServer(SimConfig(model_name=SIM_MODEL, token_latency_s=0.001))
     with serve_in_thread(server) as url:
         config = config_for(tmp_path, url, max_steps=3, batch_size=4, sampling={"max_tokens": 5})
@@ -401,7 +401,7 @@ def test_a_missing_or_non_finite_reward_fails_its_rollout(value):
 
     env = NoReward()
     outcome = asyncio.run(run_rollout(env, env.tasks("train")[0], model))
-    assert isinstance(outcome, RolloutError) and outcome.stage == "reward" and "finite number" in str(outcome)
+    assert isinstance(outcome, RolloutError) and outcome.stage == "missing_reward" and "finite number" in str(outcome)
 
 
 def test_orchestrator_serves_its_metrics_to_prometheus(tmp_path, monkeypatch):

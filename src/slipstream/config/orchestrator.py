@@ -24,6 +24,28 @@ class SamplingConfig(BaseConfig):
     """Most completion tokens per rollout."""
 
 
+class EnvServerConfig(BaseConfig):
+    """Whether the environment runs in its own process (an env server the orchestrator starts and supervises, one
+    per environment, spoken to over ZMQ), so its dependencies and crashes stay out of the orchestrator. Model turns
+    stay in the orchestrator (token-in/token-out); only chat messages, states and rewards cross. See
+    docs/environments.md, "Environments in their own process"."""
+
+    mode: Literal["auto", "process", "in_process"] = "auto"
+    """`process`: run the environment in an env server; `in_process`: inside the orchestrator; `auto`: a process for
+    third-party code that Slipstream cannot vouch for (`verifiers`), in-process for the rest."""
+
+    on_crash: Literal["restart", "stop"] = "restart"
+    """When the env server dies, its in-flight rollouts fail (counted in `pipeline/failed_rollouts` and
+    `env_server/lost_rollouts`); then `restart` starts a new one (at most `max_restarts` times) and the run goes on,
+    `stop` stops the run with a message naming the server's exit status and log."""
+
+    max_restarts: int = Field(3, ge=0)
+    """Most restarts of the env server per run with on_crash = 'restart'; one crash more stops the run."""
+
+    startup_timeout_s: float = Field(300.0, gt=0.0)
+    """Longest wait for a (re)started env server to load its environment and answer."""
+
+
 class EnvConfig(BaseConfig):
     """Which environment produces tasks and rewards."""
 
@@ -34,6 +56,9 @@ class EnvConfig(BaseConfig):
 
     args: dict[str, Any] = {}
     """Keyword arguments for the environment's loader or constructor (e.g. `num_tasks`, `min_words`)."""
+
+    server: EnvServerConfig = EnvServerConfig()
+    """Where the environment runs: in the orchestrator or in its own supervised process (env server)."""
 
 
 class AdvantageConfig(BaseConfig):

@@ -6,6 +6,8 @@ are wrapped by `slipstream.envs.multiturn.as_multi_turn`) and defines the rollou
 """
 
 import inspect
+import math
+import numbers
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -103,13 +105,41 @@ class MultiTurnEnvironment(Protocol):
 AnyEnvironment = Environment | MultiTurnEnvironment
 
 
+@runtime_checkable
+class SupervisedEnvironment(Protocol):
+    """An environment with work of its own to watch for the whole run (an env server's process: envs/server/)."""
+
+    async def supervise(self) -> None:
+        """Runs for the whole run; raises to stop the run (e.g. the env server died and is not restarted)."""
+        ...
+
+    def counters(self) -> dict[str, float]:
+        """Cumulative counts for the run's metrics."""
+        ...
+
+
 def is_multi_turn(env: object) -> bool:
     """True for environments that implement the multi-turn protocol (checked by method, not by base class)."""
     return all(callable(getattr(env, name, None)) for name in ("setup_state", "env_response", "cleanup"))
 
 
+class MissingReward(ValueError):
+    """An environment gave no usable reward (None, not a number, or not finite): the rollout fails, never trains
+    as a silent 0.0."""
+
+
+def checked_reward(value: object, env_name: str, task_id: str) -> float:
+    """`value` as a finite float, or MissingReward naming the environment and task."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    raise MissingReward(
+        f"environment {env_name!r} gave task {task_id} no reward (got {value!r:.100}); a reward must be a finite number"
+    )
+
+
 async def score(env: Environment, task: Task, completion_text: str) -> float:
-    """Reward of one completion, awaiting it when the environment's reward is asynchronous."""
+    """Reward of one completion, awaiting it when the environment's reward is asynchronous; MissingReward when it
+    is None or not a finite number."""
     if is_multi_turn(env):
         raise TypeError(
             f"environment {env.name!r} is multi-turn: it has no single-completion reward; drive it with "
@@ -118,4 +148,4 @@ async def score(env: Environment, task: Task, completion_text: str) -> float:
     value = env.reward(task, completion_text)
     if inspect.isawaitable(value):
         value = await value
-    return float(value)
+    return checked_reward(value, env.name, task.id)

@@ -7,17 +7,27 @@ environment fails that rollout only, as a `RolloutError` the caller counts and e
 
 import asyncio
 import logging
-import math
-import numbers
 import time
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from slipstream.envs.base import AnyEnvironment, Message, RewardResult, State, Task, ToolSchema
+from slipstream.envs.base import (
+    AnyEnvironment,
+    Message,
+    MissingReward,
+    RewardResult,
+    State,
+    Task,
+    ToolSchema,
+    checked_reward,
+)
 from slipstream.envs.multiturn import as_multi_turn
 
 logger = logging.getLogger(__name__)
+
+MISSING_REWARD = "missing_reward"
+"""`RolloutError.stage` of a rollout whose environment gave no usable reward (None, NaN, not a number)."""
 
 
 @dataclass
@@ -70,7 +80,8 @@ class RolloutError:
 
     task_id: str
     stage: str
-    """"setup_state", "env_response", "reward", "cleanup" or "timeout"."""
+    """"setup_state", "env_response", "reward", "missing_reward" (the reward was None or not finite), "cleanup" or
+    "timeout"."""
     error: str
     """Exception type and message."""
     num_turns: int
@@ -130,9 +141,11 @@ async def _play(env, task: Task, model: ModelFn, progress: _Progress) -> RewardR
     reward = await _env_call("reward", env.reward(task, progress.state))
     if not isinstance(reward, RewardResult):
         raise _EnvFailure("reward", TypeError(f"reward must return a RewardResult, got {reward!r:.200}"))
-    if not isinstance(reward.value, numbers.Real) or not math.isfinite(reward.value):
+    try:
+        checked_reward(reward.value, env.name, task.id)
+    except MissingReward as e:
         # A missing (None) or non-finite reward is a failed rollout, never a silent 0.0 that trains.
-        raise _EnvFailure("reward", ValueError(f"reward value must be a finite number, got {reward.value!r:.200}"))
+        raise _EnvFailure(MISSING_REWARD, e) from None
     return reward
 
 
@@ -157,7 +170,8 @@ async def run_rollout(
             task, progress.messages, progress.turns, reward, progress.stop_reason, time.perf_counter() - start
         )
     except _EnvFailure as failure:
-        outcome = _error(task, failure.stage, failure.cause, progress, start)
+        stage = MISSING_REWARD if isinstance(failure.cause, MissingReward) else failure.stage
+        outcome = _error(task, stage, failure.cause, progress, start)
     except TimeoutError as e:
         if not deadline.expired():
             raise

@@ -3,19 +3,24 @@ Slipstream's protocol, so the orchestrator keeps token-in/token-out and verifier
 
 Supported: tasksets whose tasks open with a prompt and are scored from the transcript (`@vf.reward`, `@vf.metric`,
 plugged judges) in one model turn. Not supported, refused with an error at construction: tool servers (toolsets),
-tasks that need a container, and signals that need a runtime. Verifiers' own rollout machinery (harness programs
-calling the model through its interception server) is not used: it owns the model loop and its tokens.
+tasks that need a container, signals that need a runtime, tasksets without any reward, and environments (`vf.Env`)
+that run and score in a loop of their own (e.g. TextArena games): their reward would otherwise train as 0.0.
+Verifiers' own rollout machinery (harness programs calling the model through its interception server) is not used:
+it owns the model loop and its tokens. The orchestrator runs this adapter in an env server by default (envs/server/).
 """
 
 import inspect
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 try:
     import verifiers.v1 as vf
     from verifiers.v1.configs.agent import AgentConfig
+    from verifiers.v1.envs.single_agent import SingleAgentEnv
     from verifiers.v1.graph import MessageNode
     from verifiers.v1.trace import AgentInfo, Trace, TraceTask
+    from verifiers.v1.utils.loaders import environment_class
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "the verifiers adapter needs the optional `verifiers` package (v1 API): pip install 'slipstream[verifiers]'"
@@ -24,15 +29,44 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from slipstream.envs.base import DEFAULT_ROLLOUT_TIMEOUT_S, Message, RewardResult, State, Task
 from slipstream.envs.multiturn import MultiTurnEnv, split_tasks
 
+OWN_LOOP_HINT = (
+    "Slipstream drives the model turns itself (token-in/token-out) and does not run a verifiers environment's own "
+    "loop, so rewards recorded there would never reach training (they would train as a silent 0.0). Use a taskset "
+    "whose tasks score the transcript (@vf.reward or judges), or write the game as a Slipstream multi-turn "
+    "environment (docs/environments.md)"
+)
+
 
 def load_taskset(taskset: "str | vf.Taskset", taskset_args: dict[str, Any]) -> "vf.Taskset":
-    """A taskset object as given, or the installed taskset package `taskset` built with `taskset_args`."""
+    """A taskset object as given, or the installed taskset package `taskset` built with `taskset_args`; refused
+    when its environment runs (and scores in) a loop of its own."""
+    if isinstance(taskset, vf.Env):
+        raise ValueError(
+            f"verifiers: {type(taskset).__name__} is an environment (vf.Env), not a taskset. {OWN_LOOP_HINT}"
+        )
     if not isinstance(taskset, str):
         if taskset_args:
             raise ValueError("verifiers: taskset_args only apply when the taskset is given by id")
+        refuse_own_loop(type(taskset).__name__, _module_envs(sys.modules.get(type(taskset).__module__)))
         return taskset
+    refuse_own_loop(taskset, [environment_class(taskset)])
     config_type = vf.taskset_config_type(taskset)
     return vf.load_taskset(config_type(id=taskset, **taskset_args))
+
+
+def _module_envs(module: Any) -> list[type]:
+    """The vf.Env subclasses a taskset's module defines or exports (a package pairs its taskset with its Env)."""
+    return [obj for obj in vars(module or object()).values() if isinstance(obj, type) and issubclass(obj, vf.Env)]
+
+
+def refuse_own_loop(name: str, env_classes: list[type]) -> None:
+    """Refuse a taskset paired with an environment whose `run` is its own (a game loop such as TextArena's)."""
+    own = [cls.__name__ for cls in env_classes if cls.run is not SingleAgentEnv.run and cls is not vf.Env]
+    if own:
+        raise ValueError(
+            f"verifiers taskset {name} comes with environment {', '.join(own)}, which runs its own loop. "
+            f"{OWN_LOOP_HINT}"
+        )
 
 
 def _needs_runtime(fn: Any) -> bool:
@@ -47,10 +81,15 @@ def check_supported(taskset: "vf.Taskset", task: "vf.Task") -> None:
         raise ValueError(f"verifiers taskset {name} uses tool servers (toolsets); the adapter does not support them")
     if type(task).NEEDS_CONTAINER:
         raise ValueError(f"verifiers taskset {name} needs a container; the adapter does not support that")
-    signals = [*task.hooks("reward"), *task.hooks("metric"), *(j.score for j in task.plugged_judges())]
-    needing = [getattr(fn, "__name__", repr(fn)) for fn in signals if _needs_runtime(fn)]
+    signals = [*task.hooks("reward"), *(j.score for j in task.plugged_judges())]
+    needing = [getattr(fn, "__name__", repr(fn)) for fn in [*signals, *task.hooks("metric")] if _needs_runtime(fn)]
     if needing:
         raise ValueError(f"verifiers taskset {name}: signals {needing} need a runtime; the adapter has none")
+    if not signals:
+        raise ValueError(
+            f"verifiers taskset {name} defines no reward (no @vf.reward, no judge): every rollout would score 0.0. "
+            f"If its environment scores in a loop of its own: {OWN_LOOP_HINT}"
+        )
     if task.data.prompt is None:
         raise ValueError(f"verifiers taskset {name} has tasks without a prompt; the adapter needs one")
 

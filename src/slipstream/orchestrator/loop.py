@@ -9,7 +9,7 @@ import asyncio
 from itertools import groupby
 
 from slipstream.config.orchestrator import OrchestratorConfig
-from slipstream.envs.registry import build_env
+from slipstream.envs.hosting import open_environment
 from slipstream.monitor.sinks import Monitors
 from slipstream.orchestrator.advantages import group_advantages
 from slipstream.orchestrator.batching import build_training_batches, write_training_batches
@@ -32,11 +32,13 @@ def run_orchestrator(config: OrchestratorConfig) -> None:
 
 async def orchestrate(config: OrchestratorConfig) -> dict[str, float]:
     """The orchestrator's run; returns the final pipeline counters."""
-    async with InferenceClient(
-        config.inference_url, config.model.name, config.request_timeout_s, config.inference_engine_urls
-    ) as client:
+    async with (
+        InferenceClient(
+            config.inference_url, config.model.name, config.request_timeout_s, config.inference_engine_urls
+        ) as client,
+        open_environment(config.env, config.output_dir) as env,
+    ):
         await client.wait_healthy(config.health_timeout_s)
-        env = build_env(config.env.name, **config.env.args)
         train_tasks = env.tasks("train")
         print(
             f"[orchestrator] environment {env.name!r} ({config.env.name}): {len(train_tasks)} train tasks", flush=True

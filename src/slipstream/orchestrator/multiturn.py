@@ -9,9 +9,17 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from slipstream.envs.base import AnyEnvironment, Message, Task, ToolSchema
+from slipstream.envs.base import AnyEnvironment, Message, MissingReward, Task, ToolSchema, score
 from slipstream.envs.multiturn import last_assistant_text
-from slipstream.envs.rollout import ModelFn, ModelTurn, RolloutError, RolloutResult, StopRollout, run_rollout
+from slipstream.envs.rollout import (
+    MISSING_REWARD,
+    ModelFn,
+    ModelTurn,
+    RolloutError,
+    RolloutResult,
+    StopRollout,
+    run_rollout,
+)
 from slipstream.envs.tokens import build_samples
 from slipstream.orchestrator.client import ContextLengthError, InferenceClient, InferenceError
 from slipstream.orchestrator.rollouts import Rollout, cache_salt, parse_chat_response
@@ -178,6 +186,15 @@ def rollout_from_result(result: RolloutResult, group_index: int, request_version
     )
 
 
+async def reward_or_missing(env: AnyEnvironment, task: Task, completion_text: str) -> float | MissingReward:
+    """A single-turn reward, or the MissingReward the environment's None or NaN turned into (any other error of the
+    environment propagates)."""
+    try:
+        return await score(env, task, completion_text)
+    except MissingReward as e:
+        return e
+
+
 MAX_GROUPS_WITHOUT_SURVIVORS = 16
 """A run stops once this many groups in a row lost every rollout in their environment: it is broken, not flaky."""
 
@@ -186,16 +203,24 @@ class EnvironmentBroken(RuntimeError):
     """Every rollout of many groups in a row failed inside the environment: stop instead of waiting forever."""
 
 
+class RewardsMissing(EnvironmentBroken):
+    """The environment gave no reward to any rollout of a batch's worth of groups in a row: stop, never train on
+    rewards that were never computed."""
+
+
 class RolloutFailures:
     """Counts rollouts that failed inside their environment, by stage, and logs each failure (the first of each
     stage with its traceback). A group needs two surviving rollouts to compare rewards (one if group_size is 1).
     After MAX_GROUPS_WITHOUT_SURVIVORS groups in a row without a surviving rollout the run stops (EnvironmentBroken):
     no batch would ever fill, and nothing is trained on rewards that were never computed."""
 
-    def __init__(self, group_size: int) -> None:
+    def __init__(self, group_size: int, groups_per_batch: int = MAX_GROUPS_WITHOUT_SURVIVORS) -> None:
         self.min_survivors = min(2, group_size)
+        self.groups_per_batch = groups_per_batch
         self.by_stage: dict[str, int] = {}
         self.groups_without_survivors = 0
+        self.groups_without_rewards = 0
+        """Groups in a row in which no rollout got a reward and some got a missing one (None, NaN)."""
         self.last_error: RolloutError | None = None
 
     def survivors(
@@ -208,6 +233,30 @@ class RolloutFailures:
                 self._record(outcome)
             else:
                 rollouts.append(rollout_from_result(outcome, group_index, request_version))
+        missing = sum(isinstance(o, RolloutError) and o.stage == MISSING_REWARD for o in outcomes)
+        return self._tally(task, rollouts, len(outcomes), missing)
+
+    def scored(self, task: Task, rollouts: list[Rollout], rewards: list[float | MissingReward]) -> list[Rollout] | None:
+        """Single-turn: set each rollout's reward; those without one are failed rollouts (stage missing_reward).
+        The group's rewarded rollouts, or None when too few have a reward (the caller drops the group)."""
+        kept = []
+        for rollout, reward in zip(rollouts, rewards, strict=True):
+            if isinstance(reward, MissingReward):
+                self._record(RolloutError(task.id, MISSING_REWARD, f"{type(reward).__name__}: {reward}", 1, 0.0))
+            else:
+                rollout.reward = reward
+                kept.append(rollout)
+        return self._tally(task, kept, len(rollouts), len(rollouts) - len(kept))
+
+    def _tally(self, task: Task, rollouts: list[Rollout], num_outcomes: int, num_missing: int) -> list[Rollout] | None:
+        self.groups_without_rewards = 0 if rollouts or not num_missing else self.groups_without_rewards + 1
+        if self.groups_without_rewards >= self.groups_per_batch:
+            raise RewardsMissing(
+                f"the environment gave no reward (None or not a finite number) to any rollout of the last "
+                f"{self.groups_without_rewards} groups, a batch's worth (last: {self.last_error}); stopping instead "
+                "of training on rewards that were never computed. Does the environment score elsewhere (e.g. in a "
+                "run loop of its own that Slipstream does not run)? Its reward must return a finite number"
+            )
         self.groups_without_survivors = 0 if rollouts else self.groups_without_survivors + 1
         if self.groups_without_survivors >= MAX_GROUPS_WITHOUT_SURVIVORS:
             raise EnvironmentBroken(
@@ -217,7 +266,7 @@ class RolloutFailures:
             )
         if len(rollouts) < self.min_survivors:
             print(
-                f"[orchestrator] group of task {task.id} dropped: {len(rollouts)} of {len(outcomes)} rollouts "
+                f"[orchestrator] group of task {task.id} dropped: {len(rollouts)} of {num_outcomes} rollouts "
                 f"survived (at least {self.min_survivors} needed)",
                 flush=True,
             )

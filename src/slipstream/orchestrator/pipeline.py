@@ -28,12 +28,18 @@ from contextlib import asynccontextmanager
 from typing import Any, Literal
 
 from slipstream.config.orchestrator import OrchestratorConfig
-from slipstream.envs.base import AnyEnvironment, is_multi_turn, score
+from slipstream.envs.base import AnyEnvironment, SupervisedEnvironment, is_multi_turn
 from slipstream.envs.rollout import ModelFn
 from slipstream.orchestrator.client import InferenceClient, InferenceError, InferenceUnavailable
 from slipstream.orchestrator.concurrency import InFlightLimit, parse_server_load
 from slipstream.orchestrator.ledger import Group, GroupLedger, Signal
-from slipstream.orchestrator.multiturn import RolloutFailures, TurnProgress, TurnRequester, play_group
+from slipstream.orchestrator.multiturn import (
+    RolloutFailures,
+    TurnProgress,
+    TurnRequester,
+    play_group,
+    reward_or_missing,
+)
 from slipstream.orchestrator.online_eval import OnlineEvaluator, SharedLimiter
 from slipstream.orchestrator.rollouts import Rollout, cache_salt, parse_chat_response, request_seed, sampling_params
 from slipstream.orchestrator.sampler import TaskCursor, TaskSampler
@@ -72,7 +78,7 @@ class RolloutPipeline:
         self.num_regenerated = 0
         """Groups generated again because inference was lost while their requests were in flight."""
         self.multi_turn = is_multi_turn(env)
-        self.failures = RolloutFailures(config.group_size)
+        self.failures = RolloutFailures(config.group_size, config.batch_size // config.group_size)
         self.turns = TurnRequester(
             client,
             sampling_params(config.sampling),
@@ -93,6 +99,8 @@ class RolloutPipeline:
         background: list[Coroutine[Any, Any, None]] = [self._dispatch_loop()]
         if self.config.concurrency.mode == "adaptive":
             background.append(self._poll_server_load())
+        if isinstance(self.env, SupervisedEnvironment):
+            background.append(self.env.supervise())  # raises to stop the run (an env server gone for good)
         cancellable = [asyncio.create_task(self._guard(coro)) for coro in background]
         evaluations = None
         if self.evaluator is not None:
@@ -153,6 +161,7 @@ class RolloutPipeline:
             "pipeline/concurrency_backoffs": float(self.limit.num_backoffs),
             "pipeline/eval_in_flight": float(self.eval_limiter.in_flight),
             **self.failures.counters(),
+            **(self.env.counters() if isinstance(self.env, SupervisedEnvironment) else {}),
         }
 
     async def _wait(self, predicate: Any) -> None:
@@ -260,8 +269,9 @@ class RolloutPipeline:
             "inference keeps restarting for another reason than this request"
         )
 
-    async def _play_single_turn(self, group: Group) -> list[Rollout]:
-        """One request for the group's completions, each scored by the environment."""
+    async def _play_single_turn(self, group: Group) -> list[Rollout] | None:
+        """One request for the group's completions, each scored by the environment; None when too few got a
+        reward."""
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
                 rollouts = await self._generate(group)
@@ -270,11 +280,10 @@ class RolloutPipeline:
             raise InferenceError(
                 f"task {group.task.id}: no complete reply within request_timeout_s = {timeout}s"
             ) from None
-        rewards = await asyncio.gather(*(score(self.env, group.task, r.completion_text) for r in rollouts))
-        for rollout, reward in zip(rollouts, rewards, strict=True):
-            rollout.reward = reward
+        rewards = await asyncio.gather(*(reward_or_missing(self.env, group.task, r.completion_text) for r in rollouts))
+        for rollout in rollouts:
             rollout.group_index = group.index
-        return rollouts
+        return self.failures.scored(group.task, rollouts, rewards)
 
     async def _play_multi_turn(self, group: Group) -> list[Rollout] | None:
         """The group's rollouts through the environment; None when fewer than two survived."""
