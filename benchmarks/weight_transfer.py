@@ -83,7 +83,8 @@ def build_model(name: str, device: torch.device, fsdp_mesh=None) -> torch.nn.Mod
 
 
 def sender(rank: int, args: dict, stream, manifest, group, results: dict) -> None:
-    """Trainer rank `rank`: raw broadcast baseline, then the stream REPEATS times, then the filesystem path."""
+    """Trainer rank `rank`: raw broadcast baseline, the plan's buckets broadcast bare, the stream into receivers that
+    do not load, the stream (each REPEATS times after a warm-up), then the filesystem path."""
     from slipstream.transport.bucket_assembly import BucketBuffers, stream_to
     from slipstream.transport.weight_stream import BroadcastSink, SafetensorsSink, broadcast
 
@@ -98,20 +99,29 @@ def sender(rank: int, args: dict, stream, manifest, group, results: dict) -> Non
             broadcast(group, buf)
         torch.cuda.synchronize()
         results["raw_gbps"] = bucket_bytes * RAW_ITERS / (time.perf_counter() - start) / 1e9
+        times = []
+        for _ in range(REPEATS + 1):  # the plan's bucket sizes, no assembly, receivers do not load
+            start = time.perf_counter()
+            for bucket in manifest.buckets:
+                broadcast(group, buf[: bucket.nbytes])
+            _sync(group)
+            times.append(time.perf_counter() - start)
+        results["plan_bare_s"] = min(times[1:])
         del buf
-    times = []
     buffers = BucketBuffers()  # kept from one version to the next, as the trainer's publisher does
-    for _ in range(REPEATS + 1):  # the first is a warm-up
-        _trainer_barrier(args)
-        start = time.perf_counter()
-        stream_to(stream, manifest, [BroadcastSink(group, device)] if rank == 0 else [], buffers)
-        if rank == 0:
-            _sync(group)  # every receiver has loaded the last bucket
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    for phase in ("stream_noload", "stream"):
+        times = []
+        for _ in range(REPEATS + 1):  # the first is a warm-up
+            _trainer_barrier(args)
+            start = time.perf_counter()
+            stream_to(stream, manifest, [BroadcastSink(group, device)] if rank == 0 else [], buffers)
+            if rank == 0:
+                _sync(group)  # every receiver has loaded the last bucket
+            times.append(time.perf_counter() - start)
+        results[f"{phase}_s"] = min(times[1:])
     if rank == 0:
-        results["stream_s"] = min(times[1:])
         results["stream_gbps"] = manifest.nbytes / results["stream_s"] / 1e9
+        _time_assembly(stream, manifest, buffers, results)
     folder = Path(args["fs_dir"])
     _trainer_barrier(args)
     start = time.perf_counter()
@@ -125,6 +135,32 @@ def sender(rank: int, args: dict, stream, manifest, group, results: dict) -> Non
         results["fs_s"] = time.perf_counter() - start
     else:
         stream_to(stream, manifest, [])
+
+
+class _NullSink:
+    """Takes every bucket and sends nothing: what assembling the stream costs alone."""
+
+    def send(self, index, bucket, flat) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _time_assembly(stream, manifest, buffers, results: dict) -> None:
+    """One trainer rank only (no FSDP gathers): the stream assembled into the bucket buffers, nothing sent."""
+    from slipstream.transport.bucket_assembly import stream_to
+
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        return
+    times = []
+    for _ in range(REPEATS + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        stream_to(stream, manifest, [_NullSink()], buffers)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    results["assemble_s"] = min(times[1:])
 
 
 def _sync(group) -> None:
@@ -143,7 +179,7 @@ def receiver(index: int, args: dict, init, manifest) -> None:
     """Receiver `index`: joins the group, takes the stream REPEATS + 1 times and the folder once, loading each
     tensor into its own preallocated parameters."""
     from slipstream.transport.weight_receiver import WeightReceiver
-    from slipstream.transport.weight_stream import broadcast
+    from slipstream.transport.weight_stream import broadcast, receive_buckets
 
     device = torch.device("cuda", torch.cuda.current_device())
     params = {
@@ -162,11 +198,16 @@ def receiver(index: int, args: dict, init, manifest) -> None:
     buf = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
     for _ in range(RAW_ITERS + 1):
         broadcast(rx.group, buf)
+    for _ in range(REPEATS + 1):  # the plan's buckets, bare
+        for _pairs in receive_buckets(rx.group, manifest, device):
+            pass
+        _sync(rx.group)
     del buf
     info = {"step": manifest.step, "manifest": manifest.to_dict()}
-    for _ in range(REPEATS + 1):
-        rx.receive(info, load)
-        _sync(rx.group)
+    for loader in (lambda pairs: None, load):  # stream_noload, then stream
+        for _ in range(REPEATS + 1):
+            rx.receive(info, loader)
+            _sync(rx.group)
     folder = Path(args["fs_dir"])
     while not (folder / "READY").exists():
         time.sleep(0.01)
@@ -256,6 +297,13 @@ def main() -> int:
                 f"{scenario:6s} {model:18s} {r['bytes'] / 1e9:6.2f} GB: stream {r['stream_s']:.3f}s "
                 f"({r['stream_gbps']:.1f} GB/s) vs raw NCCL broadcast {r['raw_gbps']:.1f} GB/s "
                 f"-> efficiency {r['efficiency']:.2f}; filesystem {r['fs_s']:.2f}s (write {r['fs_write_s']:.2f}s)",
+                flush=True,
+            )
+            assemble = f"{r['assemble_s'] * 1e3:.1f} ms" if "assemble_s" in r else "n/a (FSDP)"
+            print(
+                f"{'':6s} where it goes: plan's buckets bare {r['plan_bare_s'] * 1e3:.1f} ms, assembly alone "
+                f"{assemble}, stream without receiver loads {r['stream_noload_s'] * 1e3:.1f} ms, stream "
+                f"{r['stream_s'] * 1e3:.1f} ms",
                 flush=True,
             )
     if not efficiencies:

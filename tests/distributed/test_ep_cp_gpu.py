@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from slipstream.config.shared import ModelConfig
 from slipstream.config.trainer import OptimConfig, ParallelConfig, TrainerConfig
+from slipstream.config.weights import WeightsConfig
 from slipstream.monitor.metrics import read_metrics
 from slipstream.transport.weights import weights_dir
 from tests.distributed.helpers import write_step_batches
@@ -37,6 +38,8 @@ def _run(tmp_path, name, model_dir, num_procs, dtype, parallel):
         parallel=parallel,
         device="cuda",
         batch_timeout_s=30.0,
+        # files, which the test reads: on GPUs the default (NCCL) waits for inference to accept each version
+        weights=WeightsConfig(transport="filesystem"),
     )
     config.write_toml(tmp_path / f"{name}.toml")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(num_procs)]

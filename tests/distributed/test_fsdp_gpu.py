@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from slipstream.config.shared import CheckpointConfig, ModelConfig
 from slipstream.config.trainer import OptimConfig, TrainerConfig
+from slipstream.config.weights import WeightsConfig
 from slipstream.monitor.metrics import read_metrics
 from slipstream.trainer.ckpt import committed_steps
 from slipstream.transport.weights import weights_dir
@@ -33,6 +34,8 @@ def _run(tmp_path, name, model_dir, num_procs, **kwargs):
         optim=OptimConfig(lr=1e-3),
         device="cuda",
         batch_timeout_s=30.0,
+        # files, which the test reads: on GPUs the default (NCCL) waits for inference to accept each version
+        weights=WeightsConfig(transport="filesystem"),
         **kwargs,
     )
     config.write_toml(tmp_path / f"{name}.toml")

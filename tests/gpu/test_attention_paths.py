@@ -130,3 +130,40 @@ def fraction_close(x_BTV: torch.Tensor, ref_BTV: torch.Tensor, tol: float) -> fl
     x_BTV, ref_BTV = x_BTV.double().cpu(), ref_BTV.double().cpu()
     rel_BT = (x_BTV - ref_BTV).norm(dim=-1) / ref_BTV.norm(dim=-1)
     return (rel_BT < tol).double().mean().item()
+
+
+@pytest.mark.parametrize("keep_attention", [False, True])
+def test_checkpointing_keeps_flex_attention_outputs(keep_attention):
+    """With trainer.packed_attention = "flex", compiled blocks and keep_attention checkpointing, backward does not
+    rerun the flex forward kernel (it did before flex_attention joined parallel/ac.py's saved ops: measured on an
+    H100, the 8 x 2048 step ran it twice per block); full checkpointing reruns it once per block."""
+    from slipstream.config.trainer import ParallelConfig
+    from slipstream.parallel.fsdp import parallelize_model
+    from slipstream.trainer.policy import Policy
+
+    torch.manual_seed(0)
+    cfg = build_config("qwen3", vocab_size=512, eos_token_id=2, pad_token_id=0)
+    model = build_model(cfg, "custom").to(CUDA)
+    model.packed_attention = "flex"
+    parallel = ParallelConfig(activation_checkpointing=True, activation_checkpointing_keep_attention=keep_attention)
+    policy = parallelize_model(Policy(model), None, parallel, torch.bfloat16, compile=True)
+    lengths = [300, 212, 500]
+    input_ids_T = torch.randint(3, 512, (sum(lengths),), device=CUDA)
+    position_ids_T = positions([lengths])[0].to(CUDA)
+    temperatures_T = torch.ones(sum(lengths), device=CUDA)
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logprobs_T, _ = policy(input_ids_T, position_ids_T, temperatures_T)
+        logprobs_T.float().sum().backward()
+
+    step()  # compile
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    forward = [n for n in names if "flex_attention" in n and "backward" not in n]
+    backward = [n for n in names if "flex_attention_backward" in n]
+    blocks = cfg.num_hidden_layers
+    assert backward, names
+    assert len(forward) == (blocks if keep_attention else 2 * blocks), forward

@@ -29,6 +29,11 @@ def attention_ops() -> set:
         aten._efficient_attention_forward.default,
         aten._cudnn_attention_forward.default,
     }
+    import torch._higher_order_ops as hops
+
+    flex = getattr(hops, "flex_attention", None)  # trainer.packed_attention = "flex"
+    if flex is not None:
+        ops.add(flex)
     try:  # torch >= 2.10: the packed (varlen) path is a custom op, registered when its module is imported
         import torch.nn.attention.varlen  # noqa: F401
 

@@ -51,7 +51,8 @@ class BucketBuffers:
         self.bucket_at: dict[tuple[str, int], int] = {}
         self.views: dict[tuple[int, int, int, bool], torch.Tensor] = {}
         self.cond = threading.Condition()
-        self.released: set[int] = set()
+        self.released: dict[int, torch.cuda.Event | None] = {}
+        """Sent buckets -> the CUDA event their send completes at (None off CUDA: the send was synchronous)."""
 
     def start(self, buckets: tuple[Bucket, ...]) -> None:
         """Begin a version sent with this plan (buffers and views are kept when the plan did not change)."""
@@ -66,7 +67,7 @@ class BucketBuffers:
             self.ring_size = {dtype: min(self.num_slots, n) for dtype, n in counts.items()}
             self.bucket_at = {place: index for index, place in enumerate(self.ring)}
         with self.cond:
-            self.released = set()
+            self.released = {}
 
     def _slot(self, index: int) -> torch.Tensor:
         dtype, k = self.ring[index]
@@ -85,11 +86,14 @@ class BucketBuffers:
             before = self.bucket_at[(dtype, k - self.ring_size[dtype])]
             with self.cond:
                 self.cond.wait_for(lambda: before in self.released)
+                sent = self.released[before]
+            if sent is not None:  # the send was only queued on its stream: write after it completes on the GPU
+                torch.cuda.current_stream(device).wait_event(sent)
 
-    def release(self, index: int) -> None:
-        """Bucket `index` was sent."""
+    def release(self, index: int, sent: "torch.cuda.Event | None" = None) -> None:
+        """Bucket `index` was sent (on CUDA: queued; `sent` is recorded where the send completes on the GPU)."""
         with self.cond:
-            self.released.add(index)
+            self.released[index] = sent
             self.cond.notify_all()
 
     def flat(self, index: int) -> torch.Tensor:
@@ -210,25 +214,35 @@ def stream_to(
     buffers = buffers if buffers is not None else BucketBuffers()
     jobs: queue.Queue = queue.Queue()
     failure: list[BaseException] = []
-    cuda_stream = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    # On CUDA the sends run on their own stream, ordered after each bucket's copies by an event (not after
+    # everything queued on the copy stream by then, which would hold bucket k's send behind the copies of later
+    # buckets that wait for earlier sends): copies of bucket k+1 overlap the send of bucket k on the GPU.
+    send_stream = torch.cuda.Stream() if on_cuda else None
 
     def worker() -> None:
-        context = torch.cuda.stream(cuda_stream) if cuda_stream is not None else contextlib.nullcontext()
-        with context:  # the stream the buckets were written on: the sends are ordered after the copies
+        context = torch.cuda.stream(send_stream) if send_stream is not None else contextlib.nullcontext()
+        with context:
             while (job := jobs.get()) is not None:
-                index, bucket, flat = job
+                index, bucket, flat, ready = job
+                sent = None
                 try:
                     if not failure:
+                        if ready is not None:
+                            send_stream.wait_event(ready)
                         for sink in sinks:
                             sink.send(index, bucket, flat)
+                        if send_stream is not None:
+                            sent = send_stream.record_event()
                 except BaseException as e:  # noqa: BLE001 - handed to the producer, which re-raises it
                     failure.append(e)
                 finally:
-                    buffers.release(index)
+                    buffers.release(index, sent)
 
     class _Queued:
         def send(self, index: int, bucket, flat) -> None:
-            jobs.put((index, bucket, flat))
+            ready = torch.cuda.current_stream(flat.device).record_event() if flat.is_cuda else None
+            jobs.put((index, bucket, flat, ready))
 
         def close(self) -> None:
             pass
@@ -247,5 +261,7 @@ def stream_to(
         thread.join()
     if failure:
         raise failure[0]
+    if send_stream is not None:  # the caller's stream sees every send done (sinks close, buffers are rewritten)
+        torch.cuda.current_stream().wait_stream(send_stream)
     for sink in sinks:
         sink.close()

@@ -227,22 +227,41 @@ def receive_buckets(
     group: "torch.distributed.ProcessGroup", manifest: Manifest, device: torch.device
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The receiving side of BroadcastSink: yields each bucket's (name, tensor) views, in plan order. The next
-    bucket is already being received while the caller loads this one (two buckets of memory); a bucket's views are
-    valid until the one after next is requested."""
+    bucket is already being received while the caller loads this one, into the second of two buffers of the
+    largest bucket's size; a bucket's views are valid until the one after next is requested.
+
+    On CUDA the receives run on their own stream: the caller's stream waits for bucket k only (an event), and the
+    receive of bucket k+2 waits only for the caller's loads of bucket k, which used the same buffer."""
     buckets = list(manifest.buckets)
     if not buckets:
         return
+    size = max(b.nbytes for b in buckets)
+    slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(2, len(buckets)))]
+    recv_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    loaded: dict[int, torch.cuda.Event] = {}
 
-    def start(bucket: Bucket):
-        flat = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-        return flat, start_broadcast(group, flat)
+    def start(i: int):
+        flat = slots[i % len(slots)][: buckets[i].nbytes]
+        if recv_stream is None:
+            return flat, start_broadcast(group, flat)
+        with torch.cuda.stream(recv_stream):
+            if i >= len(slots):
+                recv_stream.wait_event(loaded.pop(i - len(slots)))
+            start_broadcast(group, flat).wait()  # queues the receive stream behind the broadcast, no host wait
+            return flat, recv_stream.record_event()
 
-    pending = start(buckets[0])
+    pending = start(0)
     for i, bucket in enumerate(buckets):
-        flat, work = pending
-        work.wait()
+        flat, done = pending
+        if recv_stream is None:
+            done.wait()
+        else:
+            current = torch.cuda.current_stream(device)
+            current.wait_event(done)
+            if i >= 1:
+                loaded[i - 1] = current.record_event()  # the caller queued its loads of bucket i-1 by now
         if i + 1 < len(buckets):
-            pending = start(buckets[i + 1])
+            pending = start(i + 1)
         yield unpack(flat, bucket)
 
 
