@@ -126,7 +126,6 @@ def run_mode(args: argparse.Namespace, max_async_level: int) -> dict[str, float]
             group_size=args.group_size,
             max_async_level=max_async_level,
             spare_batches=args.spare_batches,
-            version_tracking="reply",
             concurrency={"mode": "fixed", "max": args.capacity},
             sampling={"max_tokens": args.max_tokens},
             env={"name": "reverse_text", "args": {"num_tasks": 500}},

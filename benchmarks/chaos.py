@@ -95,7 +95,6 @@ def run_config(model_dir: Path, out: Path, port: int, args: argparse.Namespace) 
             "inference_url": f"http://127.0.0.1:{port}",
             "max_async_level": 0,
             "seed_requests": True,
-            "version_tracking": "reply",
             "batch_size": 8,
             "group_size": 4,
             "micro_batch_tokens": 512,

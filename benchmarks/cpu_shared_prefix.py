@@ -23,7 +23,7 @@ from slipstream.config.trainer import LossConfig
 from slipstream.envs.base import Task
 from slipstream.models.registry import build_model
 from slipstream.orchestrator.batching import build_training_batches
-from slipstream.orchestrator.rollouts import Rollout
+from slipstream.rollout.record import Rollout
 from slipstream.trainer.policy import Policy
 from slipstream.trainer.step import train_step
 from slipstream.transport.rollouts import TrainingBatch

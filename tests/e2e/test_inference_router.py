@@ -22,8 +22,8 @@ from slipstream.inference.sim.config import SimConfig
 from slipstream.inference.sim.policy import sim_logprob
 from slipstream.inference.sim.serve import serve_in_thread
 from slipstream.orchestrator.client import InferenceClient
-from slipstream.orchestrator.multiturn import TurnProgress, TurnRequester
 from slipstream.orchestrator.weights import verify_weights
+from slipstream.rollout.turns import TurnProgress, TurnRequester
 from slipstream.rundir import RunDir
 
 pytestmark = pytest.mark.skipif(
@@ -110,7 +110,7 @@ def _requester(client: InferenceClient) -> TurnRequester:
     async def ready() -> int:
         return 0
 
-    return TurnRequester(client, {"max_tokens": 4}, 30.0, False, ready, lambda: 0)
+    return TurnRequester(client, {"max_tokens": 4}, 30.0, ready, lambda: 0)
 
 
 async def _play(client: InferenceClient, deployment: Deployment, index: int) -> list[int]:

@@ -15,9 +15,9 @@ import torch
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.inference.admin_token import TOKEN_ENV
 from slipstream.orchestrator.client import InferenceClient
-from slipstream.orchestrator.rollouts import cache_salt
-from slipstream.orchestrator.streaming import StreamedChat
 from slipstream.orchestrator.weights import WeightRelay
+from slipstream.rollout.record import cache_salt
+from slipstream.rollout.streaming import StreamedChat
 from slipstream.rundir import WEIGHT_CHECKS_FILE
 from slipstream.trainer.weights import build_probe_token_ids, publish_weights
 from tests.e2e.helpers import free_port, wait_healthy

@@ -69,13 +69,19 @@ def test_wordle_trains_two_steps_and_stops_at_the_context_limit(tiny_qwen3_dir, 
     wordle = {"name": "wordle", "args": {"num_tasks": 32, "num_eval_tasks": 4, "max_guesses": 3}}
     # Prompts of the tiny model's turns are ~247, ~340 and ~435 tokens long: with a 400-token context, vLLM refuses
     # every third turn (HTTP 400), which ends the rollout normally after two guesses (stop reason context_length).
-    out = run_rl(tmp_path, run_env, tiny_qwen3_dir, {"env": wordle}, inference={"max_model_len": 400})
+    # Online evaluation goes the same way (issue 14: it used to stop training there).
+    online_eval = {"interval": 1, "num_tasks": 2, "num_samples": 2}
+    orchestrator = {"env": wordle, "eval": online_eval}
+    out = run_rl(tmp_path, run_env, tiny_qwen3_dir, orchestrator, inference={"max_model_len": 400})
     for m in check_trained(out):
         assert m["rollout/num_turns_mean"] == 2 and m["rollout/stop/context_length"] == 8
         # a random model's sampled tokens rarely re-tokenize the same, so turns may break the prefix: counted, split
         assert m["batch/num_samples"] == 8 + m["rollout/num_prefix_breaks"]
         assert m["env/solved"] == 0 and m["env/num_guesses"] == 2 and 0 <= m["env/format"] <= 1
         assert m["seq_len/mean"] > m["completion_len/mean"] == 24  # two turns of 12 tokens, env turns between
+    evals = _read_jsonl(out / "eval" / "online.jsonl")
+    assert [e["step"] for e in evals][0] == 0 and evals[-1]["step"] == 2
+    assert all(e["num_errors"] == 0 and e["env_metrics"]["num_guesses"] == 2 for e in evals)  # stopped at turn 3
 
 
 def test_calculator_with_tool_parser_trains_two_steps_and_evaluates_online(tiny_qwen3_dir, tmp_path, run_env):

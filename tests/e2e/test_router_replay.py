@@ -38,7 +38,6 @@ def test_router_replay_through_orchestrator_batches_and_an_ep2_trainer(tiny_mode
                 "batch_size": 8,
                 "group_size": 4,
                 "micro_batch_tokens": 512,
-                "version_tracking": "reply",
                 "router_replay": True,
                 "sampling": {"temperature": 1.0, "max_tokens": 12},
                 "env": {"name": "reverse_text", "args": {"num_tasks": 64}},

@@ -2,8 +2,8 @@
 
 from slipstream.envs.base import Task
 from slipstream.orchestrator.ledger import Group, GroupLedger
-from slipstream.orchestrator.rollouts import Rollout
-from slipstream.orchestrator.streaming import StreamedChat
+from slipstream.rollout.record import Rollout
+from slipstream.rollout.streaming import StreamedChat
 
 
 def group(index: int, version: int) -> Group:

@@ -20,8 +20,8 @@ from slipstream.orchestrator.concurrency import InFlightLimit
 from slipstream.orchestrator.loop import orchestrate
 from slipstream.orchestrator.metrics import rollout_metrics
 from slipstream.orchestrator.pipeline import RolloutPipeline
-from slipstream.orchestrator.rollouts import Rollout
 from slipstream.orchestrator.weights import WeightRelay
+from slipstream.rollout.record import Rollout
 from slipstream.rundir import WEIGHT_CHECKS_FILE
 from slipstream.transport.rollouts import batch_path, read_batch
 from slipstream.transport.weights import PROBE, READY, weights_dir
@@ -85,7 +85,6 @@ def config_for(tmp_path: Path, url: str, **overrides) -> OrchestratorConfig:
         group_size=2,
         max_async_level=1,
         spare_batches=0,  # no spare groups: the scenarios below fix which group is sent when
-        version_tracking="reply",
         concurrency={"mode": "fixed", "max": 64},
         weights_poll_s=0.01,
         sampling={"max_tokens": MAX_TOKENS},

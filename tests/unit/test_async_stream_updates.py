@@ -17,7 +17,7 @@ SHORT, LONG = "ab", "the quick brown fox jumps over the lazy dog " * 2
 
 
 def stream_config(tmp_path, url, **overrides):
-    fields = dict(version_tracking="stream", sampling={"max_tokens": 200})
+    fields = dict(sampling={"max_tokens": 200})
     return config_for(tmp_path, url, **{"model": {"name": MODEL}, **fields, **overrides})
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from slipstream.envs.base import Task
 from slipstream.orchestrator.client import InferenceClient, InferenceError
-from slipstream.orchestrator.streaming import StreamedChat
+from slipstream.rollout.streaming import StreamedChat
 
 TASK = Task(id="t0", prompt=[{"role": "user", "content": "hi"}])
 PROMPT = [1, 317, 201, 74, 75, 2, 201, 1, 319, 201]

@@ -14,7 +14,7 @@ from slipstream.orchestrator.multiturn import (
     RolloutFailures,
     reward_or_missing,
 )
-from slipstream.orchestrator.rollouts import Rollout
+from slipstream.rollout.record import Rollout
 
 TASK = Task(id="t0", prompt=[{"role": "user", "content": "hi"}])
 

@@ -17,12 +17,11 @@ from slipstream.eval.evaluate import default_pass_ks, evaluate
 from slipstream.eval.metrics import mean_pass_at_k, pass_at_k, reward_summary
 from slipstream.eval.run import resolve_eval_model, run_eval
 from slipstream.eval.server import SEEDED_SAMPLING_ARGS, build_eval_server_argv, wait_until_healthy
-from slipstream.eval.tasks import chat_model_fn, parse_model_turn, request_seed
+from slipstream.eval.tasks import request_seed
 from slipstream.inference.sim import SimConfig, SimServer, serve_in_thread
 from slipstream.launch.plan import ProcessSpec
 from slipstream.launch.supervisor import Supervisor
-from slipstream.orchestrator.client import InferenceClient, InferenceError
-from slipstream.orchestrator.rollouts import WeightedSemaphore
+from slipstream.orchestrator.client import InferenceClient
 from slipstream.transport.weights import READY, weights_dir
 
 
@@ -267,45 +266,6 @@ def test_evaluate_multi_turn_env_on_sim_server():
     assert [m["role"] for m in ok.completions[0]] == ["assistant", "user", "assistant"]
     assert all(0 < n <= 12 for n in ok.num_completion_tokens)
     assert 0.0 < first.reward_mean < 1.0 and first.metrics()["eval/env/num_replies"] == 2.0
-
-
-class RecordingClient:
-    def __init__(self, reply):
-        self.reply, self.calls = reply, []
-
-    async def chat(self, messages, sampling, n, cache_salt):
-        self.calls.append((list(messages), dict(sampling), n, cache_salt))
-        return self.reply
-
-
-def test_chat_model_fn_sends_tools_and_per_turn_seeds():
-    tool_call = {
-        "id": "c1",
-        "type": "function",
-        "function": {"name": "calculate", "arguments": '{"expression": "1+1"}'},
-    }
-    reply = {
-        "prompt_token_ids": [1, 2],
-        "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [tool_call]},
-             "token_ids": [5, 6, 7], "finish_reason": "tool_calls"}
-        ],
-    }  # fmt: skip
-    client = RecordingClient(reply)
-    tools = [{"type": "function", "function": {"name": "calculate", "parameters": {}}}]
-    model = chat_model_fn(client, SamplingConfig(), WeightedSemaphore(4), 3, turn_seed=lambda t: 100 + 10 * t)
-
-    async def two_turns():
-        return [await model([{"role": "user", "content": "hi"}], tools), await model([], [])]
-
-    turn, _ = asyncio.run(two_turns())
-    assert turn.message == {"role": "assistant", "content": None, "tool_calls": [tool_call]}
-    assert turn.completion_token_ids == [5, 6, 7] and turn.finish_reason == "tool_calls"
-    (_, first, n, salt), (_, second, _, _) = client.calls
-    assert (first["seed"], first["tools"], n, salt) == (100, tools, 1, "policy-3")
-    assert second["seed"] == 110 and "tools" not in second
-    with pytest.raises(InferenceError, match="asked for 1 completion, got 0"):
-        parse_model_turn({"choices": []})
 
 
 def test_config_round_trips_through_toml(tmp_path):

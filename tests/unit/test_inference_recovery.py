@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from slipstream.inference.sim import SimConfig
+from slipstream.inference.sim import SimConfig, sim_logprob
 from slipstream.orchestrator.client import InferenceClient, InferenceUnavailable
 from slipstream.orchestrator.pipeline import RolloutPipeline
 from slipstream.orchestrator.weights import WeightRelay
@@ -153,10 +153,11 @@ def test_a_silent_restart_is_caught_by_the_instance_id_and_the_weights_reloaded(
             await relay.ensure_available()
             assert relay.accepting and client.instance != first
             reply = await client.chat(messages, sampling, 1, "policy-1")
-            return reply["choices"][0]["token_versions"], relay.take_metrics()
+            choice = reply["choices"][0]
+            return list(zip(choice["token_ids"], choice["logprobs"]["content"], strict=True)), relay.take_metrics()
 
-    versions, metrics = asyncio.run(main())
-    assert versions and set(versions) == {1}  # served by the restarted server with the reloaded weights
+    tokens, metrics = asyncio.run(main())
+    assert tokens and all(entry["logprob"] == sim_logprob(1, t) for t, entry in tokens)  # the reloaded weights
     assert metrics["inference/num_recoveries"] == 1
     checks = read_checks(tmp_path)
     assert [(c["step"], c["after_restart"], c["passed"]) for c in checks] == [(1, False, True), (1, True, True)]

@@ -6,7 +6,7 @@ import pytest
 
 from slipstream.envs.base import Task
 from slipstream.orchestrator.batching import build_sample, build_training_batches, distribute, pack_samples
-from slipstream.orchestrator.rollouts import Rollout
+from slipstream.rollout.record import Rollout
 from slipstream.transport.rollouts import read_batch, write_batch
 
 TASK = Task(id="t", prompt=[])

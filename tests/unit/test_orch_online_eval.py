@@ -1,6 +1,7 @@
-"""Online evaluation during training, against the simulated vLLM server (which reports each token's policy version)
-and a fast fake trainer: evaluations run beside rollouts within their share of the in-flight limit, each on one
-fixed policy version, land in batch metrics and eval/online.jsonl, and never in training batches."""
+"""Online evaluation during training, against the simulated vLLM server (whose log-probs name the policy version
+that decoded each token) and a fast fake trainer: evaluations run beside rollouts within their share of the
+in-flight limit, each on one fixed policy version, land in batch metrics and eval/online.jsonl, and never in
+training batches; a multi-turn evaluation whose rollouts outgrow the context window does not stop training."""
 
 import asyncio
 import json
@@ -11,7 +12,7 @@ import pytest
 
 import slipstream.eval.tasks
 from slipstream.envs.reverse_text import ReverseTextEnv
-from slipstream.inference.sim import SimConfig, SimServer, serve_in_thread
+from slipstream.inference.sim import SimConfig, SimServer, serve_in_thread, sim_logprob
 from slipstream.orchestrator.loop import orchestrate
 from slipstream.orchestrator.online_eval import OnlineEvaluator, SharedLimiter
 from slipstream.rundir import ONLINE_EVAL_FILE
@@ -50,12 +51,15 @@ def eval_config(tmp_path: Path, url: str, **eval_fields):
 
 
 def test_online_eval_holds_its_policy_shares_concurrency_and_stays_out_of_batches(tmp_path, monkeypatch):
-    evaluated: list[tuple[int, list[list[int]]]] = []  # (policy version, token versions of each sample)
-    parse = slipstream.eval.tasks.parse_chat_response
+    evaluated: list[tuple[int, bool]] = []  # (policy version, whether the server decoded every token with it)
+    sample = slipstream.eval.tasks.sample_completions
 
-    def recording_parse(reply, task, n, policy_version, require_token_versions=False):
-        rollouts = parse(reply, task, n, policy_version, require_token_versions)
-        evaluated.append((policy_version, [r.token_versions for r in rollouts]))
+    async def recording_sample(client, task, params, n, version, chat, require_routed_experts=False):
+        rollouts = await sample(client, task, params, n, version, chat, require_routed_experts)
+        tokens = [
+            (t, lp) for r in rollouts for t, lp in zip(r.completion_token_ids, r.completion_logprobs, strict=True)
+        ]
+        evaluated.append((version, all(lp == sim_logprob(version, t) for t, lp in tokens)))  # the sim's log-prob
         return rollouts
 
     shares: list[tuple[float, int]] = []  # (share, completions in flight) after each acquire
@@ -66,7 +70,7 @@ def test_online_eval_holds_its_policy_shares_concurrency_and_stays_out_of_batche
         shares.append((self.share, self.in_flight))
         return got
 
-    monkeypatch.setattr(slipstream.eval.tasks, "parse_chat_response", recording_parse)
+    monkeypatch.setattr(slipstream.eval.tasks, "sample_completions", recording_sample)
     monkeypatch.setattr(SharedLimiter, "acquire", recording_acquire)
     # eval requests decode 10 tokens at 10 ms: an evaluation (6 tasks, one request at a time) takes 0.6 s while the
     # trainer publishes a new policy every few rollouts, so updates would land mid-evaluation if it were not held
@@ -82,7 +86,7 @@ def test_online_eval_holds_its_policy_shares_concurrency_and_stays_out_of_batche
     # every sample of an evaluation comes from the policy it is reported for (one still running when the last batch
     # is taken finishes, then the final policy is evaluated)
     assert {v for v, _ in evaluated} == set(steps)
-    assert all(set(versions) == {v} for v, samples in evaluated for versions in samples)
+    assert all(decoded_by_it for _, decoded_by_it in evaluated)
     # within a quarter of the in-flight limit (8 -> 2 completions: one request of 2 samples), all of it at the end
     assert all(in_flight <= 2 for share, in_flight in shares if share == 0.25)
     assert any(share == 1.0 and in_flight > 2 for share, in_flight in shares)

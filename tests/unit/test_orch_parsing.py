@@ -6,8 +6,9 @@ import pytest
 
 from slipstream.envs.base import Task
 from slipstream.orchestrator.client import InferenceError, parse_prompt_logprobs
-from slipstream.orchestrator.rollouts import WeightedSemaphore, parse_chat_response
 from slipstream.orchestrator.sampler import TaskSampler
+from slipstream.rollout.limiter import WeightedSemaphore
+from slipstream.rollout.replies import parse_chat_response
 
 TASK = Task(id="t0", prompt=[{"role": "user", "content": "abc"}])
 

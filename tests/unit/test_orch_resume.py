@@ -9,8 +9,7 @@ import pytest
 from starlette.requests import Request
 
 from slipstream.orchestrator.loop import run_orchestrator
-from slipstream.orchestrator.rollouts import request_seed
-from slipstream.orchestrator.sampler import TaskCursor
+from slipstream.orchestrator.sampler import TaskCursor, request_seed
 from slipstream.orchestrator.state import OrchestratorState, load_state, save_state
 from slipstream.transport.checkpoints import (
     COMMITTED,

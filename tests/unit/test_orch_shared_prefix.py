@@ -20,7 +20,7 @@ from slipstream.orchestrator.batching import (
     shared_prefix_len,
     to_micro_batch,
 )
-from slipstream.orchestrator.rollouts import Rollout
+from slipstream.rollout.record import Rollout
 from slipstream.trainer.data import build_padded_layout, expand_trees, routing_tensor, to_packed
 
 TASK = Task(id="t", prompt=[])

@@ -29,9 +29,9 @@ from slipstream.inference.auth import AdminTokenMiddleware, is_open_path
 from slipstream.inference.sim import SimConfig, SimServer
 from slipstream.orchestrator.client import InferenceError, _sse_chunks, parse_prompt_logprobs
 from slipstream.orchestrator.concurrency import parse_server_load
-from slipstream.orchestrator.rollouts import parse_chat_response
 from slipstream.orchestrator.routing import decode_routed_experts
 from slipstream.orchestrator.state import OrchestratorState, load_state, save_state
+from slipstream.rollout.replies import parse_chat_response
 from slipstream.rundir import RunDir
 from slipstream.trainer.ckpt import read_progress
 from slipstream.trainer.data import MicroBatchError, to_packed
@@ -363,7 +363,7 @@ VALID_REPLY = {
 def test_a_malformed_chat_reply_is_an_inference_error(path, value):
     reply = mutate(VALID_REPLY, path, value)
     try:
-        (rollout,) = parse_chat_response(reply, TASK, 1, 0, require_token_versions=True, require_routed_experts=True)
+        (rollout,) = parse_chat_response(reply, TASK, 1, 0, require_routed_experts=True)
     except InferenceError as e:
         assert str(e)
     else:

@@ -15,8 +15,8 @@ from slipstream.config.rl import RLConfig
 from slipstream.envs.base import Task
 from slipstream.orchestrator.batching import build_training_batches
 from slipstream.orchestrator.client import InferenceError
-from slipstream.orchestrator.rollouts import parse_chat_response
 from slipstream.orchestrator.routing import align_routing, decode_routed_experts, pack_routing
+from slipstream.rollout.replies import parse_chat_response
 from slipstream.trainer.data import MicroBatchError, routing_tensor, to_packed
 from slipstream.transport.rollouts import Routing
 
@@ -102,11 +102,10 @@ def test_a_reply_without_routing_is_refused_when_replay_is_on():
         parse_chat_response(too_long, task, 1, 0, require_routed_experts=True)
 
 
-def test_config_asks_for_whole_replies_and_the_vllm_flag():
+def test_config_asks_for_the_vllm_flag():
     base = {"inference_url": "http://x", "output_dir": "/tmp/x", "model": {"name": "m"}, "max_steps": 1}
-    with pytest.raises(ValueError, match='version_tracking = "reply"'):
-        OrchestratorConfig.model_validate({**base, "router_replay": True})
-    rl = {"max_steps": 1, "model": {"name": "m"}, "orchestrator": {"router_replay": True, "version_tracking": "reply"}}
+    assert OrchestratorConfig.model_validate({**base, "router_replay": True}).router_replay
+    rl = {"max_steps": 1, "model": {"name": "m"}, "orchestrator": {"router_replay": True}}
     with pytest.raises(ConfigError, match="enable_return_routed_experts = true"):
         validate_config(RLConfig, rl)
     ok = validate_config(RLConfig, deep_merge(rl, {"inference": {"enable_return_routed_experts": True}}))

@@ -1,4 +1,5 @@
-"""The simulated inference server: latency tails, capacity queueing, pause modes, policy version per token, metrics."""
+"""The simulated inference server: latency tails, capacity queueing, pause modes, policy version per token, streamed
+chat completions, metrics."""
 
 import ast
 import asyncio
@@ -20,7 +21,8 @@ from slipstream.inference.sim import (
 )
 from slipstream.inference.sim.serve import main as sim_main
 from slipstream.orchestrator.client import InferenceClient
-from slipstream.orchestrator.rollouts import parse_chat_response
+from slipstream.rollout.replies import parse_chat_response
+from slipstream.rollout.streaming import StreamedChat
 
 MESSAGES = [{"role": "user", "content": "reverse: abc"}]
 
@@ -78,7 +80,7 @@ def test_chat_reply_has_the_fields_the_orchestrator_reads():
     for r, choice in zip(rollouts, reply["choices"], strict=True):
         assert len(r.completion_token_ids) == 5 and all(0 <= t < 50 for t in r.completion_token_ids)
         assert r.completion_logprobs == [sim_logprob(0, t) for t in r.completion_token_ids]
-        assert choice["token_versions"] == [0] * 5 and choice["finish_reason"] == "length"
+        assert choice["finish_reason"] == "length"
         assert r.completion_text == choice["message"]["content"] and len(r.completion_text) == 5
     assert reply["prompt_token_ids"] == rollouts[0].prompt_token_ids
     assert [(rec.endpoint, rec.cache_salt, rec.n) for rec in server.engine.records] == [("chat", "policy-0", 3)] * 2
@@ -116,26 +118,29 @@ def test_pause_keep_freezes_progress_until_resume():
         asyncio.run(scenario(url))
 
 
-def test_request_spanning_a_weight_update_reports_both_versions(tmp_path):
+def test_request_spanning_a_weight_update_streams_tokens_of_both_versions(tmp_path):
     server, serving = serve(token_latency_s=0.01)
     path = publish(tmp_path, 3)
 
     async def scenario(url: str) -> None:
-        async with (
-            httpx.AsyncClient(base_url=url, timeout=10) as http,
-            InferenceClient(url, "m", request_timeout_s=10) as client,
-        ):
-            request = asyncio.create_task(http.post("/v1/chat/completions", json=chat_body(max_tokens=60)))
-            await _until(lambda: server.engine.num_running == 1)
-            await asyncio.sleep(0.1)
-            # pause keep, start/update/finish weight update, reset_prefix_cache, resume
-            await client.load_weights(3, {"step": 3, "path": path})
-            choice = (await request).json()["choices"][0]
-            versions, ids = choice["token_versions"], choice["token_ids"]
+        async with InferenceClient(url, "m", request_timeout_s=10) as client:
+            served = {"version": 0}
+            chat = StreamedChat(1, lambda: served["version"], "sim")
+
+            async def stream() -> None:
+                async for chunk in client.stream_chat(MESSAGES, {"max_completion_tokens": 60}, 1, "policy-0"):
+                    chat.add(chunk)
+
+            request = asyncio.create_task(stream())
+            await _until(lambda: len(chat.choices[0].token_ids) >= 5)  # tokens arrive as they are decoded
+            # pause keep, start/update/finish weight update, reset_prefix_cache, the switch of the stamp, resume
+            await client.load_weights(3, {"step": 3, "path": path}, before_resume=lambda: served.update(version=3))
+            await request
+            (rollout,) = chat.rollouts(Task(id="t", prompt=MESSAGES), 0)
+            versions, ids = rollout.token_versions, rollout.completion_token_ids
             k = versions.index(3)
-            assert 0 < k < 60 and versions == [0] * k + [3] * (60 - k)
-            logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
-            assert logprobs == [sim_logprob(v, t) for v, t in zip(versions, ids, strict=True)]
+            assert 5 <= k < 60 and versions == [0] * k + [3] * (60 - k) and rollout.finish_reason == "length"
+            assert rollout.completion_logprobs == [sim_logprob(v, t) for v, t in zip(versions, ids, strict=True)]
             probe = [5, 17, 42, 99]
             assert await client.score_tokens(probe, "policy-3") == [sim_logprob(3, t) for t in probe[1:]]
 
@@ -143,6 +148,33 @@ def test_request_spanning_a_weight_update_reports_both_versions(tmp_path):
         asyncio.run(scenario(url))
     assert server.engine.version == 3 and server.engine.loads == [path] and server.num_prefix_cache_resets == 1
     assert [rec.cache_salt for rec in server.engine.records] == ["policy-0", "policy-3"]
+
+
+def test_streamed_chat_matches_the_whole_reply_and_a_disconnect_aborts_it():
+    server, serving = serve(model_name="m", vocab_size=50, token_latency_s=0.01)
+
+    async def scenario(url: str) -> None:
+        async with InferenceClient(url, "m", request_timeout_s=10) as client:
+            chat = StreamedChat(3, lambda: 0, "sim")
+            async for chunk in client.stream_chat(MESSAGES, {"max_completion_tokens": 5}, 3, "policy-0"):
+                chat.add(chunk)
+            streamed = chat.rollouts(Task(id="t", prompt=MESSAGES), 0)
+            whole = parse_chat_response(await client.post("/v1/chat/completions", json=chat_body(n=3, max_tokens=5)),
+                                        Task(id="t", prompt=MESSAGES), 3, 0)  # fmt: skip
+            for a, b in zip(streamed, whole, strict=True):
+                assert (a.prompt_token_ids, a.completion_token_ids) == (b.prompt_token_ids, b.completion_token_ids)
+                assert (a.completion_logprobs, a.completion_text) == (b.completion_logprobs, b.completion_text)
+                assert a.finish_reason == b.finish_reason == "length"
+            stream = client.stream_chat(MESSAGES, {"max_completion_tokens": 500}, 1, "policy-0")
+            async for chunk in stream:
+                if (chunk.get("choices") or [{}])[0].get("token_ids"):
+                    break
+            await stream.aclose()  # closes the connection: the server aborts the request
+            await _until(lambda: server.engine.num_running == 0)
+            assert server.engine.generation_tokens_total < 3 * 5 * 2 + 100  # far from the 500 asked for
+
+    with serving as url:
+        asyncio.run(scenario(url))
 
 
 def test_capacity_queues_sequences_and_metrics_report_them():

@@ -278,11 +278,6 @@ class OrchestratorConfig(BaseConfig):
     n - 1 - max_off_policy_steps (n the step the batch is for) is cancelled in flight, or dropped if it has
     finished; both are counted (pipeline/cancelled_groups, pipeline/dropped_groups)."""
 
-    version_tracking: Literal["stream", "reply"] = "stream"
-    """How each completion token gets the policy version that produced it. stream (vLLM): completions are
-    streamed and each token is stamped with the version served when it arrives. reply: non-streaming requests
-    whose choices carry `token_versions` (the simulated server); a reply without them is an error."""
-
     monitor: MonitorConfig = MonitorConfig()
     """Weights & Biases and Prometheus (config/monitor.py). Under `slipstream rl` set once at the top level."""
 
@@ -290,8 +285,10 @@ class OrchestratorConfig(BaseConfig):
     """Router replay for MoE models (R3): every completion must come with the experts inference routed its tokens
     to (vLLM started with inference.enable_return_routed_experts, a GPU build), which travel with the batch so the
     trainer's MoE layers use them instead of their own top-k (tokens without routing keep the trainer's own).
-    Needs version_tracking = "reply" for now: vLLM 0.32 returns routed experts in whole chat replies only, not in
-    streamed ones. Single-turn environments only: multi-turn samples are trained with the trainer's routing."""
+    vLLM 0.32 returns routed experts in whole chat replies only, not in streamed ones, so these requests are not
+    streamed and every token is stamped with the policy version served when its request was sent (the oldest it can
+    be: staleness is judged early, never late). Single-turn environments only: multi-turn samples are trained with
+    the trainer's routing."""
 
     concurrency: ConcurrencyConfig = ConcurrencyConfig()
     """In-flight limit of rollout completions (fixed or adaptive)."""
@@ -354,15 +351,6 @@ class OrchestratorConfig(BaseConfig):
                 f"max_off_policy_steps ({self.max_off_policy_steps}) is below max_async_level "
                 f"({self.max_async_level}), so rollouts of the oldest policy a batch may use would be dropped; "
                 f"raise orchestrator.max_off_policy_steps to at least {self.max_async_level}"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _check_router_replay(self) -> "OrchestratorConfig":
-        if self.router_replay and self.version_tracking == "stream":
-            raise ValueError(
-                "orchestrator.router_replay needs whole replies: vLLM 0.32 sends routed experts only in non-streamed "
-                'chat replies; set orchestrator.version_tracking = "reply" (a server reporting token versions)'
             )
         return self
 

@@ -13,7 +13,7 @@ from slipstream.envs.base import AnyEnvironment, Task, is_multi_turn
 from slipstream.eval.results import EvalResult, TaskResult, summarize
 from slipstream.eval.tasks import evaluate_multi_turn_task, evaluate_single_turn_task
 from slipstream.orchestrator.client import InferenceClient
-from slipstream.orchestrator.rollouts import WeightedSemaphore
+from slipstream.rollout.limiter import CompletionLimiter, WeightedSemaphore
 
 
 def default_pass_ks(num_samples: int) -> list[int]:
@@ -28,7 +28,7 @@ async def evaluate(
     num_samples: int,
     sampling: SamplingConfig,
     seed: int | None,
-    limiter: WeightedSemaphore | None = None,
+    limiter: CompletionLimiter | None = None,
     *,
     num_tasks: int | None = None,
     pass_threshold: float = 1.0,

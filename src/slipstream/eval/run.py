@@ -14,7 +14,7 @@ from slipstream.envs.registry import build_env
 from slipstream.eval.evaluate import evaluate
 from slipstream.eval.results import EvalResult, TaskResult
 from slipstream.orchestrator.client import InferenceClient
-from slipstream.orchestrator.rollouts import WeightedSemaphore
+from slipstream.rollout.limiter import WeightedSemaphore
 from slipstream.rundir import RunDir
 from slipstream.utils.fs import atomic_write_text
 

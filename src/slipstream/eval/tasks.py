@@ -1,20 +1,25 @@
-"""Sampling and scoring one task for evaluation, with seeded requests: single-turn environments in one request of
-`num_samples` completions, multi-turn (tool-using) environments as `num_samples` rollouts through `run_rollout`.
+"""Sampling and scoring one task for evaluation through the rollout package's model-turn path (slipstream.rollout):
+single-turn environments in one request of `num_samples` completions, multi-turn (tool-using) environments as
+`num_samples` rollouts through `run_rollout`, every request streamed like the orchestrator's.
 
 Seeds: a task's base seed comes from the evaluation seed and the task id; sample i, turn t is drawn with
 `base + i + t * num_samples` (single-turn: turn 0, which is vLLM's own rule for the n > 1 children of a request).
+A single-turn prompt that does not fit the context window fails its samples (reported, scored 0); a multi-turn
+rollout whose next turn does not fit ends there (stop reason `context_length`) and is scored as it stands.
 """
 
 import asyncio
 import hashlib
-from collections.abc import Callable
 
 from slipstream.config.orchestrator import SamplingConfig
-from slipstream.envs.base import AnyEnvironment, Environment, Message, Task, ToolSchema, score
-from slipstream.envs.rollout import ModelFn, ModelTurn, RolloutError, run_rollout
+from slipstream.envs.base import AnyEnvironment, Environment, Task, score
+from slipstream.envs.rollout import ModelFn, RolloutError, run_rollout
 from slipstream.eval.results import TaskResult
-from slipstream.orchestrator.client import InferenceClient, InferenceError
-from slipstream.orchestrator.rollouts import WeightedSemaphore, cache_salt, parse_chat_response, sampling_params
+from slipstream.orchestrator.client import ContextLengthError, InferenceClient
+from slipstream.rollout.limiter import CompletionLimiter
+from slipstream.rollout.record import sampling_params
+from slipstream.rollout.streaming import StreamedChat
+from slipstream.rollout.turns import CONTEXT_LENGTH, TurnRequester, sample_completions
 
 
 def request_seed(seed: int, task_id: str) -> int:
@@ -30,18 +35,21 @@ async def evaluate_single_turn_task(
     num_samples: int,
     sampling: SamplingConfig,
     seed: int | None,
-    limiter: WeightedSemaphore,
+    limiter: CompletionLimiter,
     policy_version: int = 0,
 ) -> TaskResult:
     """One request (seeded unless `seed` is None) for `num_samples` completions of `task`, each scored by the env."""
     task_seed = None if seed is None else request_seed(seed, task.id)
     params = sampling_params(sampling) | ({} if task_seed is None else {"seed": task_seed})
+    where = f"{client.base_url}/v1/chat/completions (stream, eval task {task.id})"
+    chat = StreamedChat(num_samples, lambda: policy_version, where)
     units = await limiter.acquire(num_samples)
     try:
-        reply = await client.chat(task.prompt, params, num_samples, cache_salt(policy_version))
+        rollouts = await sample_completions(client, task, params, num_samples, policy_version, chat)
+    except ContextLengthError as e:
+        return _prompt_too_long(task, task_seed, num_samples, e)
     finally:
         await limiter.release(units)
-    rollouts = parse_chat_response(reply, task, num_samples, policy_version)
     rewards = await asyncio.gather(*(score(env, task, r.completion_text) for r in rollouts))
     return TaskResult(
         task_id=task.id,
@@ -55,6 +63,20 @@ async def evaluate_single_turn_task(
     )
 
 
+def _prompt_too_long(task: Task, task_seed: int | None, num_samples: int, error: ContextLengthError) -> TaskResult:
+    """The result of a task whose prompt leaves no room in the context window: every sample failed, scored 0."""
+    return TaskResult(
+        task_id=task.id,
+        request_seed=task_seed,
+        rewards=[0.0] * num_samples,
+        completions=[""] * num_samples,
+        num_completion_tokens=[0] * num_samples,
+        finish_reasons=[f"error:{CONTEXT_LENGTH}"] * num_samples,
+        errors=[f"{CONTEXT_LENGTH}: {error}"] * num_samples,
+        reward_metrics=[{} for _ in range(num_samples)],
+    )
+
+
 async def evaluate_multi_turn_task(
     client: InferenceClient,
     env: AnyEnvironment,
@@ -62,16 +84,17 @@ async def evaluate_multi_turn_task(
     num_samples: int,
     sampling: SamplingConfig,
     seed: int | None,
-    limiter: WeightedSemaphore,
+    limiter: CompletionLimiter,
     policy_version: int = 0,
 ) -> TaskResult:
     """`num_samples` rollouts of `task`; a rollout that fails inside the environment scores 0.0 and is reported."""
     task_seed = None if seed is None else request_seed(seed, task.id)
+    turns = fixed_policy_turns(client, sampling, limiter, policy_version)
 
     def model_for(sample: int) -> ModelFn:
         if task_seed is None:
-            return chat_model_fn(client, sampling, limiter, policy_version)
-        return chat_model_fn(client, sampling, limiter, policy_version, lambda t: task_seed + sample + t * num_samples)
+            return turns.model_fn(task)
+        return turns.model_fn(task, turn_seed=lambda t: task_seed + sample + t * num_samples)
 
     outcomes = await asyncio.gather(*(run_rollout(env, task, model_for(i)) for i in range(num_samples)))
     result = TaskResult(task.id, task_seed, [], [], [], [], [], [])
@@ -87,48 +110,15 @@ async def evaluate_multi_turn_task(
     return result
 
 
-def chat_model_fn(
-    client: InferenceClient,
-    sampling: SamplingConfig,
-    limiter: WeightedSemaphore,
-    policy_version: int = 0,
-    turn_seed: Callable[[int], int] | None = None,
-) -> ModelFn:
-    """A model function for `run_rollout`: one chat request per turn, turn t (from 0) seeded with `turn_seed(t)`
-    (None: unseeded), the environment's tools offered when it has any."""
-    num_turns = 0
+def fixed_policy_turns(
+    client: InferenceClient, sampling: SamplingConfig, limiter: CompletionLimiter, policy_version: int
+) -> TurnRequester:
+    """Model turns of an evaluation: the served policy is held at `policy_version` (its tokens and cache salt),
+    each turn within `limiter` and the client's request timeout."""
 
-    async def model(messages: list[Message], tools: list[ToolSchema]) -> ModelTurn:
-        nonlocal num_turns
-        params = sampling_params(sampling)
-        if turn_seed is not None:
-            params["seed"] = turn_seed(num_turns)
-        num_turns += 1
-        if tools:
-            params["tools"] = tools
-        units = await limiter.acquire(1)
-        try:
-            reply = await client.chat(messages, params, 1, cache_salt(policy_version))
-        finally:
-            await limiter.release(units)
-        return parse_model_turn(reply)
+    async def ready() -> int:
+        return policy_version
 
-    return model
-
-
-def parse_model_turn(reply: dict) -> ModelTurn:
-    """The assistant message (content and OpenAI `tool_calls`) and token ids of a one-choice chat reply."""
-    choices = reply.get("choices") or []
-    if len(choices) != 1:
-        raise InferenceError(f"asked for 1 completion, got {len(choices)}: {str(reply)[:300]}")
-    choice = choices[0]
-    server_message = choice.get("message") or {}
-    message: Message = {"role": "assistant", "content": server_message.get("content")}
-    if server_message.get("tool_calls"):
-        message["tool_calls"] = server_message["tool_calls"]
-    return ModelTurn(
-        message=message,
-        prompt_token_ids=reply.get("prompt_token_ids"),
-        completion_token_ids=choice.get("token_ids"),
-        finish_reason=choice.get("finish_reason"),
+    return TurnRequester(
+        client, sampling_params(sampling), client.request_timeout_s, ready, lambda: policy_version, limiter
     )

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from slipstream.orchestrator.rollouts import Rollout
 from slipstream.orchestrator.routing import align_routing, no_route, pack_routing
+from slipstream.rollout.record import Rollout
 from slipstream.transport.rollouts import MicroBatch, TrainingBatch, write_batch
 
 

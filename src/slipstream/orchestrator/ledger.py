@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from slipstream.envs.base import Task
-from slipstream.orchestrator.rollouts import Rollout
+from slipstream.rollout.record import Rollout
 
 
 class TokenProgress(Protocol):
@@ -38,7 +38,8 @@ class Group:
     task_index: int
     """The task's position in the sampler's stream (equal to `index` unless a resumed run generates groups again)."""
     stream: TokenProgress | None = None
-    """The streamed tokens so far (version_tracking = "stream"; for multi-turn environments in any mode)."""
+    """The streamed tokens so far (a StreamedChat, or the turns of multi-turn rollouts); None for whole replies
+    (router replay)."""
     rollouts: list[Rollout] | None = None
     """Set once the group has finished and been scored."""
     handle: asyncio.Task | None = None
@@ -47,7 +48,7 @@ class Group:
         """Version of the group's oldest token, or a lower bound of it; None while provably fresh.
 
         Finished: exact. Streaming: exact for the tokens received, None before the first (tokens to come carry at
-        least the version then served). Whole replies (simulator): the request's version, a lower bound, so such a
+        least the version then served). Whole replies (router replay): the request's version, a lower bound, so such a
         group may be cancelled a little early, never late.
         """
         if self.rollouts is not None:

@@ -16,10 +16,10 @@ from slipstream.orchestrator.batching import build_training_batches, write_train
 from slipstream.orchestrator.client import InferenceClient
 from slipstream.orchestrator.metrics import progress_line, rollout_metrics
 from slipstream.orchestrator.pipeline import RolloutPipeline
-from slipstream.orchestrator.rollouts import Rollout
 from slipstream.orchestrator.sampler import TaskSampler
 from slipstream.orchestrator.state import load_state, save_state
 from slipstream.orchestrator.weights import WeightRelay
+from slipstream.rollout.record import Rollout
 from slipstream.rundir import RunDir, step_dirs
 from slipstream.transport.checkpoints import is_checkpoint_step, resolve_run_step
 from slipstream.transport.weights import is_ready

@@ -5,7 +5,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from slipstream.orchestrator.rollouts import Rollout
+from slipstream.rollout.record import Rollout
 
 
 def rollout_metrics(step: int, rollouts: Sequence[Rollout], num_zero_adv_groups: int) -> dict[str, float]:

@@ -1,153 +1,14 @@
-"""Multi-turn (and tool-using) rollouts in the pipeline: the model function `run_rollout` calls (one chat request per
-turn, n=1, each token stamped with its policy version), the group's token progress for staleness, the group's
-`group_size` concurrent rollouts, and their results as training rollouts (failed ones counted and logged).
+"""Multi-turn (and tool-using) rollout groups in the pipeline: a group's `group_size` concurrent rollouts (their
+model turns go through slipstream.rollout.turns), and their results as training rollouts (failed ones counted and
+logged).
 """
 
 import asyncio
-import uuid
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
 
-from slipstream.envs.base import AnyEnvironment, Message, MissingReward, Task, ToolSchema, score
-from slipstream.envs.multiturn import last_assistant_text
-from slipstream.envs.rollout import (
-    MISSING_REWARD,
-    ModelFn,
-    ModelTurn,
-    RolloutError,
-    RolloutResult,
-    StopRollout,
-    run_rollout,
-)
-from slipstream.envs.tokens import build_samples
-from slipstream.orchestrator.client import ContextLengthError, InferenceClient, InferenceError
-from slipstream.orchestrator.rollouts import Rollout, cache_salt, parse_chat_response
-from slipstream.orchestrator.streaming import StreamedChat
-
-CONTEXT_LENGTH = "context_length"
-"""Stop reason of a rollout whose next turn no longer fits the model's context window."""
-
-
-class TurnProgress:
-    """Oldest token version over every turn of a group's rollouts, requests in flight included (the ledger reads
-    it to cancel groups whose tokens became too old)."""
-
-    def __init__(self) -> None:
-        self._oldest_done: int | None = None
-        self._open: dict[int, Callable[[], int | None]] = {}
-
-    @property
-    def oldest_version(self) -> int | None:
-        floors = [self._oldest_done, *(floor() for floor in self._open.values())]
-        known = [v for v in floors if v is not None]
-        return min(known) if known else None
-
-    def open(self, key: int, floor: Callable[[], int | None]) -> None:
-        """A request started; `floor()` bounds its tokens' versions from below (None: no token yet)."""
-        self._open[key] = floor
-
-    def close(self, key: int, versions: list[int]) -> None:
-        """A request ended with tokens of `versions` (empty if it failed)."""
-        del self._open[key]
-        if versions:
-            oldest = min(versions)
-            self._oldest_done = oldest if self._oldest_done is None else min(self._oldest_done, oldest)
-
-
-@dataclass
-class TurnRequester:
-    """Sends the model turns of multi-turn rollouts to inference.
-
-    `ready()` waits until no weight update is in progress and returns the served version: a turn's request is
-    sent with that version's cache salt, like a new group. `version_now()` stamps streamed tokens.
-    """
-
-    client: InferenceClient
-    sampling: Mapping[str, Any]
-    request_timeout_s: float
-    stream: bool
-    """Stream each turn (version stamps per token); False: whole replies carrying `token_versions` (simulator)."""
-    ready: Callable[[], Awaitable[int]]
-    version_now: Callable[[], int]
-
-    def model_fn(self, task: Task, progress: TurnProgress, turn_seed: Callable[[int], int] | None = None) -> ModelFn:
-        """The model function of one rollout of `task`; its turns report to the group's `progress`. Turn t (from 0)
-        is seeded with `turn_seed(t)` (None: unseeded)."""
-        num_turns = 0
-        session = uuid.uuid4().hex  # every turn of this rollout reaches the same engine behind a router
-
-        async def model(messages: list[Message], tools: list[ToolSchema]) -> ModelTurn:
-            nonlocal num_turns
-            version = await self.ready()
-            params = dict(self.sampling)
-            if turn_seed is not None:
-                params["seed"] = turn_seed(num_turns)
-            num_turns += 1
-            if tools:
-                params |= {"tools": tools, "tool_choice": "auto"}
-            try:
-                async with asyncio.timeout(self.request_timeout_s):
-                    send = self._streamed if self.stream else self._whole
-                    turn = await send(task, messages, params, version, progress, session)
-            except ContextLengthError:
-                raise StopRollout(CONTEXT_LENGTH) from None
-            except TimeoutError:
-                raise InferenceError(
-                    f"task {task.id}: no complete reply to a model turn within request_timeout_s = "
-                    f"{self.request_timeout_s}s"
-                ) from None
-            if turn.finish_reason == "abort":
-                raise InferenceError(
-                    f"task {task.id}: the server aborted a model turn (finish_reason 'abort') though the orchestrator "
-                    "did not cancel it; was inference paused with mode=abort, or shut down?"
-                )
-            return turn
-
-        return model
-
-    async def _streamed(
-        self, task: Task, messages: list[Message], params: dict, version: int, progress: TurnProgress, session: str
-    ) -> ModelTurn:
-        where = f"{self.client.base_url}/v1/chat/completions (stream, task {task.id})"
-        chat = StreamedChat(1, self.version_now, where)
-        progress.open(id(chat), lambda: chat.oldest_version)
-        turn: ModelTurn | None = None
-        try:
-            async for chunk in self.client.stream_chat(messages, params, 1, cache_salt(version), session):
-                chat.add(chunk)
-            turn = chat.model_turn(task.id)
-        finally:
-            progress.close(id(chat), turn.completion_versions if turn is not None else [])
-        return turn
-
-    async def _whole(
-        self, task: Task, messages: list[Message], params: dict, version: int, progress: TurnProgress, session: str
-    ) -> ModelTurn:
-        key = object()
-        progress.open(id(key), lambda: version)  # the reply's tokens come from `version` or later
-        versions: list[int] = []
-        try:
-            reply = await self.client.chat(messages, params, 1, cache_salt(version), session)
-            (completion,) = parse_chat_response(reply, task, 1, version, require_token_versions=True)
-            versions = completion.token_versions
-        finally:
-            progress.close(id(key), versions)
-        server_message = reply["choices"][0].get("message") or {}
-        message: Message = {"role": "assistant", "content": server_message.get("content") or ""}
-        if server_message.get("tool_calls"):
-            message["tool_calls"] = server_message["tool_calls"]
-        reasoning = server_message.get("reasoning") or server_message.get("reasoning_content")
-        if reasoning:
-            message["reasoning_content"] = reasoning
-        return ModelTurn(
-            message=message,
-            prompt_token_ids=completion.prompt_token_ids,
-            completion_token_ids=completion.completion_token_ids,
-            completion_logprobs=completion.completion_logprobs,
-            completion_versions=completion.token_versions,
-            finish_reason=completion.finish_reason,
-        )
+from slipstream.envs.base import AnyEnvironment, MissingReward, Task, score
+from slipstream.envs.rollout import MISSING_REWARD, ModelFn, RolloutError, RolloutResult, run_rollout
+from slipstream.rollout.record import Rollout, rollout_from_result
 
 
 async def play_group(
@@ -161,29 +22,6 @@ async def play_group(
     except ExceptionGroup as errors:
         raise errors.exceptions[0] from None
     return [r.result() for r in rollouts]
-
-
-def rollout_from_result(result: RolloutResult, group_index: int, request_version: int) -> Rollout:
-    """A finished multi-turn rollout as a training rollout: its token-exact samples and its reward."""
-    turns = result.turns
-    build = build_samples(turns)
-    return Rollout(
-        task=result.task,
-        prompt_token_ids=list(turns[0].prompt_token_ids or []) if turns else [],
-        completion_token_ids=[t for turn in turns for t in turn.completion_token_ids or []],
-        completion_logprobs=[lp for turn in turns for lp in turn.completion_logprobs or []],
-        completion_text=last_assistant_text(result.messages),
-        token_versions=[v for turn in turns for v in turn.completion_versions or []],
-        request_version=request_version,
-        finish_reason=turns[-1].finish_reason if turns else None,
-        reward=result.reward.value,
-        group_index=group_index,
-        samples=build.samples,
-        num_turns=len(turns),
-        num_prefix_breaks=build.num_prefix_breaks,
-        stop_reason=result.stop_reason,
-        reward_metrics=dict(result.reward.metrics),
-    )
 
 
 async def reward_or_missing(env: AnyEnvironment, task: Task, completion_text: str) -> float | MissingReward:

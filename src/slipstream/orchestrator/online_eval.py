@@ -29,7 +29,7 @@ from slipstream.utils.fs import append_line
 class SharedLimiter:
     """Bounds evaluation completions in flight to `share` of the pipeline's in-flight limit (at least 1).
 
-    Same interface as `WeightedSemaphore` (what `evaluate` calls); the pipeline counts `in_flight` against its
+    A CompletionLimiter (slipstream.rollout.limiter), what `evaluate` calls; the pipeline counts `in_flight` against its
     limit, and a release wakes it (`signal`).
     """
 
@@ -155,7 +155,7 @@ class OnlineEvaluator:
             self.config.num_samples,
             self.sampling,
             None,  # unseeded: seeded requests crash a CPU vLLM build with chunked prefill (see OnlineEvalConfig)
-            self.limiter,  # type: ignore[arg-type]  # WeightedSemaphore's interface
+            self.limiter,
             num_tasks=self.config.num_tasks,
             pass_threshold=self.config.pass_threshold,
             policy_version=version,

@@ -11,7 +11,7 @@ current batch's groups start, so every batch is on-policy. The in-flight limit (
 online evaluation requests included (online_eval.py).
 
 Single-turn environments: one request for `group_size` completions per group. Multi-turn (tool-using)
-environments: `group_size` concurrent rollouts through `run_rollout`, one request per model turn (multiturn.py);
+environments: `group_size` concurrent rollouts through `run_rollout`, one request per model turn (rollout/turns.py);
 a rollout that fails inside its environment is counted and left out, and a group with fewer than two survivors is
 dropped and counted.
 
@@ -33,19 +33,14 @@ from slipstream.envs.rollout import ModelFn
 from slipstream.orchestrator.client import InferenceClient, InferenceError, InferenceUnavailable
 from slipstream.orchestrator.concurrency import InFlightLimit, parse_server_load
 from slipstream.orchestrator.ledger import Group, GroupLedger, Signal
-from slipstream.orchestrator.multiturn import (
-    RolloutFailures,
-    TurnProgress,
-    TurnRequester,
-    play_group,
-    reward_or_missing,
-)
+from slipstream.orchestrator.multiturn import RolloutFailures, play_group, reward_or_missing
 from slipstream.orchestrator.online_eval import OnlineEvaluator, SharedLimiter
-from slipstream.orchestrator.rollouts import Rollout, cache_salt, parse_chat_response, request_seed, sampling_params
-from slipstream.orchestrator.sampler import TaskCursor, TaskSampler
+from slipstream.orchestrator.sampler import TaskCursor, TaskSampler, request_seed
 from slipstream.orchestrator.state import OrchestratorState
-from slipstream.orchestrator.streaming import StreamedChat
 from slipstream.orchestrator.weights import WeightRelay
+from slipstream.rollout.record import Rollout, sampling_params
+from slipstream.rollout.streaming import StreamedChat
+from slipstream.rollout.turns import TurnProgress, TurnRequester, sample_completions
 from slipstream.transport.weights import weights_dir
 
 
@@ -83,7 +78,6 @@ class RolloutPipeline:
             client,
             sampling_params(config.sampling),
             config.request_timeout_s,
-            stream=config.version_tracking == "stream",
             ready=self._turn_version,
             version_now=lambda: relay.served_version,
         )
@@ -225,7 +219,7 @@ class RolloutPipeline:
     def _fresh_progress(self, group: Group) -> None:
         if self.multi_turn:
             group.stream = TurnProgress()
-        elif self.config.version_tracking == "stream":
+        elif not self.config.router_replay:  # router replay: whole replies (see slipstream.rollout.replies)
             where = f"{self.client.base_url}/v1/chat/completions (stream, task {group.task.id})"
             group.stream = StreamedChat(self.group_size, lambda: self.relay.served_version, where)
 
@@ -307,30 +301,20 @@ class RolloutPipeline:
 
     async def _generate(self, group: Group) -> list[Rollout]:
         """Send the group's request and parse its completions, each token with its policy version."""
-        task, n, salt = group.task, self.group_size, cache_salt(group.request_version)
         sampling = sampling_params(self.config.sampling)
         if (seed := self._request_seed(group)) is not None:
             sampling["seed"] = seed  # vLLM seeds sample i with seed + i
-        if group.stream is not None:
-            async for chunk in self.client.stream_chat(task.prompt, sampling, n, salt):
-                group.stream.add(chunk)
-            rollouts = group.stream.rollouts(task, group.request_version)
-        else:
-            reply = await self.client.chat(task.prompt, sampling, n, salt)
-            rollouts = parse_chat_response(
-                reply,
-                task,
-                n,
-                group.request_version,
-                require_token_versions=True,
-                require_routed_experts=self.config.router_replay,
-            )
-        if any(r.finish_reason == "abort" for r in rollouts):
-            raise InferenceError(
-                f"task {task.id}: the server aborted the request (finish_reason 'abort') though the orchestrator did "
-                "not cancel it; was inference paused with mode=abort, or shut down?"
-            )
-        return rollouts
+        chat = group.stream
+        assert chat is None or isinstance(chat, StreamedChat)  # set by _fresh_progress
+        return await sample_completions(
+            self.client,
+            group.task,
+            sampling,
+            self.group_size,
+            group.request_version,
+            chat,
+            require_routed_experts=self.config.router_replay,
+        )
 
     def _request_seed(self, group: Group) -> int | None:
         """Base seed of the group's requests (None: unseeded), from the run's seed and the task's stream position."""

@@ -4,6 +4,7 @@ Tasks form one stream (`task_at(i)`, the i-th task drawn); the i-th task depends
 run continues the same sequence.
 """
 
+import hashlib
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -63,3 +64,9 @@ class TaskCursor:
         """(next_index, positions to generate again) for a checkpoint, given the positions of the groups dispatched
         but not yet trained (in flight or buffered)."""
         return self.next_index, sorted({*unfinished, *self.requeued})
+
+
+def request_seed(seed: int, task_index: int) -> int:
+    """Base sampling seed of a rollout group's requests: a hash of the run's seed and the task's stream position."""
+    digest = hashlib.blake2b(f"rollout:{seed}:{task_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (1 << 31)  # leaves room for the per-sample and per-turn offsets

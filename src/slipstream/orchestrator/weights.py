@@ -24,8 +24,8 @@ import numpy as np
 
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.orchestrator.client import InferenceClient, InferenceUnavailable
-from slipstream.orchestrator.rollouts import cache_salt
 from slipstream.orchestrator.weight_loads import WeightLoader
+from slipstream.rollout.record import cache_salt
 from slipstream.rundir import RunDir, prune_weights, step_dirs, weights_to_keep
 from slipstream.transport.checkpoints import committed_run_steps, resume_weight_steps
 from slipstream.transport.weight_offers import latest_available_step, wait_for_available

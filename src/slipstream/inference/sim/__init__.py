@@ -1,5 +1,5 @@
-"""Simulated vLLM server without a model, for tests and benchmarks: capacity, heavy-tailed latency, pause/resume
-and policy versions per token (`choices[i].token_versions`, a simulator-only field). See app.py for the endpoints.
+"""Simulated vLLM server without a model, for tests and benchmarks: capacity, heavy-tailed latency, pause/resume,
+weight versions, and chat completions streamed token by token like vLLM's. See app.py for the endpoints.
 """
 
 from slipstream.inference.sim.app import SimServer

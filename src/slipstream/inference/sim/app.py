@@ -1,7 +1,5 @@
 """HTTP surface of the simulator: the OpenAI and dev-mode admin endpoints the orchestrator calls, in vLLM's shapes.
-
-Simulator-only extension: every choice carries `token_versions`, the policy version served when each of its
-tokens was generated (real vLLM has no such field).
+Chat completions stream like vLLM's (stream.py), so clients see every token when it is decoded.
 """
 
 import base64
@@ -15,7 +13,7 @@ import numpy as np
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from slipstream.inference.instance import InstanceIdMiddleware, new_instance_id
@@ -30,6 +28,7 @@ from slipstream.inference.sim.policy import (
     tokenize_messages,
     tokenize_text,
 )
+from slipstream.inference.sim.stream import ChatStream
 from slipstream.inference.sim.transfer import SimWeightTransfer
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -127,6 +126,11 @@ class SimServer:
         except ValueError as e:
             raise SimRequestError(str(e)) from e
         max_tokens = _int_field(body, "max_completion_tokens", body.get("max_tokens"), 1)
+        if body.get("stream"):
+            seqs = self.engine.sequences(self._plans(body, "chat", prompt_ids, max_tokens), streamed=True)
+            envelope = {"id": f"chatcmpl-sim-{next(self._ids)}", "model": model}
+            stream = ChatStream(self.engine, body, envelope, prompt_ids).chunks(seqs)
+            return StreamingResponse(stream, media_type="text/event-stream")
         seqs = await self._generate(body, "chat", prompt_ids, max_tokens)
         choices = [self._chat_choice(i, seq, body) for i, seq in enumerate(seqs)]
         if self.config.routed_experts_layers:
@@ -208,13 +212,19 @@ class SimServer:
     async def _generate(
         self, body: dict[str, Any], endpoint: str, prompt_ids: list[int], max_tokens: int | None
     ) -> list[Sequence]:
+        return await self.engine.generate(self._plans(body, endpoint, prompt_ids, max_tokens), len(prompt_ids))
+
+    def _plans(
+        self, body: dict[str, Any], endpoint: str, prompt_ids: list[int], max_tokens: int | None
+    ) -> list[tuple[list[int], str]]:
+        """The planned choices of a generation request (recorded)."""
         n = _int_field(body, "n", 1, 1)
         max_tokens = max_tokens or self.config.default_max_tokens
         seed = request_seed(self.config.seed, _int_field(body, "seed", None, 0), prompt_ids)
         vocab_size, stop_prob = self.config.vocab_size, self.config.stop_prob
         plans = [plan_completion(seed, i, max_tokens, vocab_size, stop_prob) for i in range(n)]
         self.engine.record(endpoint, body.get("cache_salt"), n, max_tokens)
-        return await self.engine.generate(plans, len(prompt_ids))
+        return plans
 
     def _envelope(
         self, prefix: str, kind: str, model: str, choices: list[dict], prompt_ids: list[int], seqs: list[Sequence]
@@ -252,7 +262,6 @@ class SimServer:
             "logprobs": None,
             "finish_reason": seq.finish_reason,
             "stop_reason": None,
-            "token_versions": seq.versions,
         }
         if body.get("logprobs"):
             content = [
@@ -273,7 +282,6 @@ class SimServer:
             "finish_reason": seq.finish_reason,
             "stop_reason": None,
             "prompt_logprobs": None,
-            "token_versions": seq.versions,
         }
         if body.get("logprobs") is not None:
             choice["logprobs"] = {

@@ -48,13 +48,15 @@ class Sequence:
     """Unpaused seconds per token."""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
     prefill_version: int | None = None
     finish_reason: str | None = None
     aborted: bool = False
     active_s: float = 0.0
     resumed_at: float | None = None
     """Loop time since which the sequence accrues decode time; None while waiting, frozen or done."""
+    progress: asyncio.Event | None = None
+    """Streamed sequences: set whenever tokens are emitted or the sequence ends (the streamer clears it); such a
+    sequence emits each token when it is due instead of all due tokens at the next state change."""
 
     @property
     def done(self) -> bool:
@@ -62,6 +64,12 @@ class Sequence:
 
     def remaining_s(self) -> float:
         return max(0.0, len(self.planned_ids) * self.interval_s - self.active_s)
+
+    def next_due_s(self) -> float:
+        """Unpaused seconds until the next token is due (streamed sequences wake for each token)."""
+        if self.progress is None:
+            return self.remaining_s()
+        return max(0.0, (len(self.token_ids) + 1) * self.interval_s - self.active_s)
 
     def num_due(self) -> int:
         if self.interval_s <= 0:
@@ -93,12 +101,21 @@ class SimEngine:
     def record(self, endpoint: str, cache_salt: str | None, n: int, max_tokens: int) -> None:
         self.records.append(RequestRecord(endpoint, cache_salt, n, max_tokens, self.version, time.time()))
 
-    async def generate(self, plans: list[tuple[list[int], str]], num_prompt_tokens: int) -> list[Sequence]:
-        """Decode one request's choices (held while paused, then each in its own capacity slot)."""
+    def sequences(self, plans: list[tuple[list[int], str]], streamed: bool = False) -> list[Sequence]:
+        """The sequences of one request's planned choices (`streamed`: each token emitted when due)."""
         seqs = []
         for token_ids, finish in plans:
             interval = self.config.token_latency_s + self._latency.sample(self._rng) / len(token_ids)
-            seqs.append(Sequence(planned_ids=token_ids, planned_finish=finish, interval_s=interval))
+            progress = asyncio.Event() if streamed else None
+            seqs.append(Sequence(planned_ids=token_ids, planned_finish=finish, interval_s=interval, progress=progress))
+        return seqs
+
+    async def generate(self, plans: list[tuple[list[int], str]], num_prompt_tokens: int) -> list[Sequence]:
+        """Decode one request's choices (held while paused, then each in its own capacity slot)."""
+        return await self.decode(self.sequences(plans), num_prompt_tokens)
+
+    async def decode(self, seqs: list[Sequence], num_prompt_tokens: int) -> list[Sequence]:
+        """Decode the sequences of one request (held while paused, then each in its own capacity slot)."""
         self.num_held += len(seqs)
         try:
             while self.paused and not self.closed:
@@ -142,10 +159,12 @@ class SimEngine:
                 self._catch_up(seq, loop.time())
             if seq.aborted or seq.done:
                 break
-            timeout = None if self.frozen else seq.remaining_s()
+            timeout = None if self.frozen else seq.next_due_s()
             await asyncio.wait([self._state_future()], timeout=timeout)
         seq.resumed_at = None
         seq.finish_reason = "abort" if seq.aborted and not seq.done else seq.planned_finish
+        if seq.progress is not None:
+            seq.progress.set()
 
     def _catch_up(self, seq: Sequence, now: float) -> None:
         """Accrue decode time up to `now` and emit the tokens due, at the version served now."""
@@ -156,8 +175,9 @@ class SimEngine:
         for token_id in seq.planned_ids[len(seq.token_ids) : seq.num_due()]:
             seq.token_ids.append(token_id)
             seq.logprobs.append(sim_logprob(self.version, token_id))
-            seq.versions.append(self.version)
             self.generation_tokens_total += 1
+            if seq.progress is not None:
+                seq.progress.set()
 
     def _catch_up_all(self) -> None:
         now = asyncio.get_running_loop().time()

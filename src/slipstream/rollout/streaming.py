@@ -17,7 +17,7 @@ from typing import Any
 from slipstream.envs.base import Message, Task
 from slipstream.envs.rollout import ModelTurn
 from slipstream.orchestrator.client import InferenceError
-from slipstream.orchestrator.rollouts import MISSING_LOGPROB, Rollout
+from slipstream.rollout.record import MISSING_LOGPROB, Rollout
 
 
 @dataclass
