@@ -69,9 +69,6 @@ class SFTConfig(BaseConfig):
     """Token budget of one packed micro-batch (one forward/backward) per rank: samples are packed into rows of at
     most this many tokens. A sample longer than this is an error naming its row."""
 
-    warmup_steps: int = Field(0, ge=0)
-    """Linear learning-rate warm-up from lr / warmup_steps to `optim.lr` over this many steps; constant after."""
-
     val_interval: int | None = Field(None, ge=1)
     """Compute the validation loss every this many steps and at the last step (needs data.val_files)."""
 
@@ -79,7 +76,8 @@ class SFTConfig(BaseConfig):
     """Seed of the trainer's RNG and of the data order."""
 
     optim: OptimConfig = OptimConfig(lr=2e-5)
-    """AdamW over float32 master weights, as the RL trainer's (`optim.lr` is the rate after warm-up)."""
+    """AdamW over float32 master weights and its learning-rate schedule (`optim.warmup_steps`, `optim.scheduler`), as
+    the RL trainer's."""
 
     parallel: ParallelConfig = ParallelConfig()
     """FSDP / HSDP / EP / CP / activation checkpointing over torchrun's ranks, as the RL trainer's."""

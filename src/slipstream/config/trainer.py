@@ -59,7 +59,18 @@ class OptimConfig(BaseConfig):
     """AdamW with gradient-norm clipping."""
 
     lr: float = Field(1e-6, gt=0.0)
-    """Learning rate."""
+    """Learning rate. The peak: warm-up and the scheduler scale it per step (trainer/schedule.py)."""
+
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up: step s <= warmup_steps trains at lr x s / warmup_steps."""
+
+    scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """After warm-up: "constant" keeps `lr`; "linear" and "cosine" decay it from `lr` towards lr x min_lr_ratio,
+    reached one step after max_steps (the last step still trains). A function of the step alone: resuming needs no
+    scheduler state, and a resumed run follows the same rates."""
+
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Where "linear" and "cosine" decay to, as a fraction of `lr`."""
 
     weight_decay: float = Field(0.0, ge=0.0)
     """Decoupled weight decay."""

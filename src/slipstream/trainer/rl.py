@@ -10,6 +10,7 @@ from slipstream.parallel.dist import barrier
 from slipstream.trainer.ckpt import committed_steps, save_checkpoint
 from slipstream.trainer.data import validate_batch
 from slipstream.trainer.publish import WeightPublisher
+from slipstream.trainer.schedule import apply_lr
 from slipstream.trainer.setup import Trainer, setup_trainer, teardown_trainer
 from slipstream.trainer.step import train_step
 from slipstream.transport.checkpoints import (
@@ -38,6 +39,7 @@ def run_trainer(config: TrainerConfig) -> None:
             batch = wait_for_batch(config.output_dir, step, trainer.data_rank, config.batch_timeout_s)
             validate_batch(batch, step, trainer.data_rank, trainer.num_data_ranks)
             t_batch = time.perf_counter()
+            apply_lr(trainer.optimizer, config.optim, step, config.max_steps)  # logged by train_step as `lr`
             metrics = train_step(
                 trainer.policy,
                 trainer.optimizer,

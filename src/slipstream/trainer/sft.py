@@ -18,6 +18,7 @@ from slipstream.trainer.ckpt import committed_steps
 from slipstream.trainer.lora_export import ADAPTER_DIR, export_peft_adapter
 from slipstream.trainer.publish import WeightPublisher
 from slipstream.trainer.rl import NonFiniteGuard, maybe_checkpoint
+from slipstream.trainer.schedule import apply_lr
 from slipstream.trainer.setup import Trainer, setup_trainer, teardown_trainer
 from slipstream.trainer.sft_data import CURSOR_FILE, DataCursor, next_batch, rank_share
 from slipstream.trainer.sft_render import SFTSample, load_samples
@@ -45,7 +46,7 @@ def run_sft(config: SFTConfig) -> None:
             t_start = time.perf_counter()
             indices, cursor = next_batch(len(data.train), cursor, config.batch_size, config.seed, config.data.shuffle)
             mine = rank_share(indices, trainer.data_rank, trainer.num_data_ranks)
-            set_lr(trainer, config, step)
+            apply_lr(trainer.optimizer, config.optim, step, config.max_steps)
             metrics = sft_step(
                 trainer,
                 [data.train[i] for i in indices],
@@ -103,13 +104,6 @@ def setup_progress(config: SFTConfig, trainer: Trainer, num_samples: int) -> Dat
     if trainer.start_step == 0:
         return DataCursor()
     return DataCursor.read(RunDir(config.output_dir).checkpoint_dir(trainer.start_step) / CURSOR_FILE, num_samples)
-
-
-def set_lr(trainer: Trainer, config: SFTConfig, step: int) -> None:
-    """Linear warm-up over `warmup_steps`, then constant: a function of the step alone, so resume needs no state."""
-    scale = min(1.0, step / config.warmup_steps) if config.warmup_steps else 1.0
-    for group in trainer.optimizer.param_groups:
-        group["lr"] = config.optim.lr * scale
 
 
 def maybe_validate(trainer: Trainer, config: SFTConfig, data: SFTData, step: int) -> dict[str, float]:
