@@ -1,8 +1,8 @@
 """Expert parallelism and context parallelism on CPU ranks (gloo) equal one process: loss and gradients after one
 step (<= 1e-5), weights after five steps (<= 1e-4). ep=2 and fsdp=2 x ep=2 train the MoE model with the tokens'
 all-to-all; cp=2 splits every packed row over two ranks that read one batch file (all-gathered K/V); ep=2 x cp=2
-(with activation checkpointing) does both on the same two ranks. Families: qwen3_moe, qwen3, glm4_moe and
-glm_moe_dsa."""
+(with activation checkpointing) does both on the same two ranks. Families: qwen3_moe, qwen3, glm4_moe, glm_moe_dsa
+and qwen3_5_moe_text (EP only)."""
 
 import pytest
 import torch
@@ -42,6 +42,11 @@ CASES = {
     "glm_moe_dsa-cp2": ("glm_moe_dsa", 2, 1, ParallelConfig(cp=2), "dppo_tv"),
     "glm_moe_dsa-ep2-cp2-ac-replay": (
         "glm_moe_dsa", 2, 1, ParallelConfig(ep=2, cp=2, activation_checkpointing=True), "dppo_tv"
+    ),
+    # Qwen3.5-MoE (Gated DeltaNet + gated attention, a gated shared expert): EP only, with replay and checkpointing
+    # (its linear-attention layers refuse context parallelism: models/qwen3_5_moe/model.py).
+    "qwen3_5_moe_text-ep2-ac-replay": (
+        "qwen3_5_moe_text", 2, 2, ParallelConfig(ep=2, activation_checkpointing=True), "dppo_tv"
     ),
 }  # fmt: skip
 

@@ -25,6 +25,9 @@ from slipstream.models.minimax_m2.model import MiniMaxM2
 from slipstream.models.qwen3 import hf_adapter as qwen3_adapter
 from slipstream.models.qwen3.args import Qwen3Args
 from slipstream.models.qwen3.model import Qwen3
+from slipstream.models.qwen3_5_moe import hf_adapter as qwen3_5_moe_adapter
+from slipstream.models.qwen3_5_moe.args import Qwen35MoeArgs
+from slipstream.models.qwen3_5_moe.model import Qwen35Moe
 from slipstream.models.qwen3_moe import hf_adapter as qwen3_moe_adapter
 from slipstream.models.qwen3_moe.args import Qwen3MoeArgs
 from slipstream.models.qwen3_moe.model import Qwen3Moe
@@ -56,6 +59,10 @@ MODEL_SPECS: dict[str, ModelSpec] = {
     ),
     "minimax_m2": ModelSpec(
         MiniMaxM2Args.from_hf_config, MiniMaxM2, minimax_m2_adapter.from_hf, minimax_m2_adapter.to_hf
+    ),
+    # Text-only Qwen3.5-MoE; `qwen3_5_moe` (the checkpoints' type) wraps it with a vision encoder: transformers runs it.
+    "qwen3_5_moe_text": ModelSpec(
+        Qwen35MoeArgs.from_hf_config, Qwen35Moe, qwen3_5_moe_adapter.from_hf, qwen3_5_moe_adapter.to_hf
     ),
 }
 

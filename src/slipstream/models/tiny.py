@@ -1,5 +1,5 @@
-"""Tiny random models (llama, qwen3, qwen3_moe, glm4_moe, minimax_m2, glm_moe_dsa) with a locally trained byte-level
-BPE tokenizer, for tests.
+"""Tiny random models (llama, qwen3, qwen3_moe, glm4_moe, minimax_m2, glm_moe_dsa, qwen3_5_moe_text) with a locally
+trained byte-level BPE tokenizer, for tests.
 
 Built in a few seconds, deterministic for a seed, saved as float32 safetensors that transformers and vLLM (CPU) load.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 from slipstream.models.hub import check_replaceable, finalize_model_dir
 from slipstream.utils.fs import commit_dir
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "glm4_moe", "minimax_m2", "glm_moe_dsa")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "glm4_moe", "minimax_m2", "glm_moe_dsa", "qwen3_5_moe_text")
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]  # ids 0, 1, 2
 MAX_POSITIONS = 2048
@@ -98,8 +98,20 @@ def build_config(family: str, vocab_size: int, eos_token_id: int, pad_token_id: 
     glm_moe_dsa has GLM-5's: MLA (q rank 64, kv rank 32, 4 heads of 32 nope + 32 rope key dims and 64 value dims),
     a DSA indexer (32 heads, GLM-5's count, of 32 dims) keeping each query's top 4 keys (sparse from the 5th token on,
     even in the short samples of the distributed tests), glm4_moe's MoE.
+    qwen3_5_moe_text is Qwen3.5-MoE's text model (Hub checkpoints, type `qwen3_5_moe`, wrap it with a vision encoder)
+    with Qwen3.5's hybrid layout: a Gated DeltaNet layer (2 key heads, 4 value heads of 32 dims, conv of 4 taps) then a
+    gated full-attention layer (partial RoPE: 16 of 64 dims), each with an MoE of 8 experts (top 2) + a gated shared
+    expert.
     """
-    from transformers import Glm4MoeConfig, GlmMoeDsaConfig, LlamaConfig, MiniMaxM2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        Glm4MoeConfig,
+        GlmMoeDsaConfig,
+        LlamaConfig,
+        MiniMaxM2Config,
+        Qwen3_5MoeTextConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = dict(
         vocab_size=vocab_size,
@@ -144,6 +156,14 @@ def build_config(family: str, vocab_size: int, eos_token_id: int, pad_token_id: 
         return GlmMoeDsaConfig(
             **common, **moe, **routing, **mla, **dsa, first_k_dense_replace=1, tie_word_embeddings=False
         )  # fmt: skip
+    if family == "qwen3_5_moe_text":
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+        linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                      linear_value_head_dim=32, linear_conv_kernel_dim=4)  # fmt: skip
+        del common["intermediate_size"]
+        return Qwen3_5MoeTextConfig(
+            **common, **moe, **linear, layer_types=["linear_attention", "full_attention"], tie_word_embeddings=False
+        )
     raise ValueError(f"unknown tiny model family '{family}' (known: {', '.join(FAMILIES)})")
 
 
