@@ -1,6 +1,8 @@
 """A verifiers environment (written here, no network) runs in its own env server process and trains through real
 vLLM (CPU build); SIGKILL of that process while a rollout is inside it fails only its rollouts (counted), then the
-run goes on with a restarted server, or stops with a clear message, as `orchestrator.env.server.on_crash` says."""
+run goes on with a restarted server (`orchestrator.env.server.on_crash = "restart"`). The "stop" setting is exercised
+through the orchestrator with a real env server in tests/unit/test_env_server.py (test_a_crash_stops_the_run_when_configured):
+a second real-vLLM run here would add a minute to the suite for the same code path."""
 
 import json
 import os
@@ -77,10 +79,8 @@ def wait_for(predicate, proc: subprocess.Popen, what: str, timeout_s: float = 60
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("on_crash", ["restart", "stop"])
-def test_a_verifiers_env_server_trains_and_survives_or_stops_on_its_crash(
-    on_crash, tiny_model_factory, tmp_path, run_env
-):
+def test_a_verifiers_env_server_trains_and_survives_its_crash(tiny_model_factory, tmp_path, run_env):
+    on_crash = "restart"
     marker, env = run_env
     (tmp_path / "word_taskset.py").write_text(TASKSET)
     gate = tmp_path / "gate"
@@ -110,10 +110,6 @@ def test_a_verifiers_env_server_trains_and_survives_or_stops_on_its_crash(
     log = (out / "logs" / "orchestrator.log").read_text()
     assert "environment 'verifiers' (verifiers): 32 train tasks" in log
     assert f"env server of 'verifiers' (pid {server}) was killed by SIGKILL" in log
-    if on_crash == "stop":
-        assert proc.returncode != 0, stdout
-        assert "stopping the run (orchestrator.env.server.on_crash = 'stop')" in log
-        return
     assert proc.returncode == 0, f"stdout:\n{stdout}\norchestrator log:\n{log[-5000:]}"
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]

@@ -5,9 +5,8 @@ and verifies every load with the trainer's probe; the published adapter reproduc
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
+import uuid
 import warnings
 
 import pytest
@@ -15,28 +14,42 @@ import torch
 from safetensors.torch import load_file
 
 from slipstream.trainer.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_DIR
-from tests.e2e.helpers import processes_with_marker, resume_config, tiny_rl_config, write_config
+from tests.e2e.helpers import MARKER_VAR, resume_config, write_config
 from tests.e2e.test_resume import _finish, _metrics, _rl, _victim_pid, _wait_gone
 from tests.e2e.test_rl_tiny import LOGPROB_TOLERANCE, MIN_CHANGE_PER_STEP, _read_jsonl
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 
-def test_lora_rl_three_steps_with_verified_adapter_loads(tiny_qwen3_dir, tmp_path, run_env):
-    marker, env = run_env
-    out = tmp_path / "run"
-    config = tiny_rl_config(tiny_qwen3_dir, out, max_steps=3, trainer={"optim": {"lr": 2e-2, "max_grad_norm": 10.0}})
+def _lora_config(model_dir, out):
+    """Synchronous, seeded requests (resume_config): the interrupted-and-resumed run must equal this one."""
+    config = resume_config(model_dir, out)
     config["model"]["lora"] = {"rank": 8, "alpha": 16.0, "name": "tiny-lora"}
-    cfg = write_config(tmp_path / "rl.toml", config)
-    proc = subprocess.run(
-        [sys.executable, "-m", "slipstream", "rl", "-c", str(cfg)], env=env, capture_output=True, text=True, timeout=840
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert [m["step"] for m in _read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+    config["trainer"]["optim"].update(lr=2e-2, max_grad_norm=10.0)
+    return config
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_qwen3_dir, tmp_path_factory):
+    """One uninterrupted LoRA run (4 steps), checked by the first test and the reference of the resume test (one
+    real-vLLM run fewer in the suite)."""
+    root = tmp_path_factory.mktemp("lora_run")
+    marker = uuid.uuid4().hex
+    env = {**os.environ, MARKER_VAR: marker, "PYTHONUNBUFFERED": "1"}
+    out = root / "run"
+    stdout, stderr = _finish(_rl(write_config(root / "rl.toml", _lora_config(tiny_qwen3_dir, out)), env), 600)
+    assert "[slipstream] step 4/4" in stdout, f"stdout:\n{stdout}\nstderr:\n{stderr}"
+    _wait_gone(marker)  # nothing of the run left behind
+    return out
+
+
+def test_lora_rl_steps_with_verified_adapter_loads(tiny_qwen3_dir, lora_run):
+    out = lora_run
+    assert [m["step"] for m in _read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
 
     checks = _read_jsonl(out / "weight_checks.jsonl")
     steps = [c["step"] for c in checks]
-    assert steps == sorted(set(steps)) and steps[-1] == 3 and len(steps) >= 2, steps
+    assert steps == sorted(set(steps)) and steps[-1] == 4 and len(steps) >= 2, steps
     previous = None
     for check in checks:
         assert check["passed"] and check["max_abs_diff"] <= LOGPROB_TOLERANCE, check
@@ -49,7 +62,7 @@ def test_lora_rl_three_steps_with_verified_adapter_loads(tiny_qwen3_dir, tmp_pat
 
     # The served version is a PEFT adapter folder (the last one with the merged model in merged/), and both reproduce
     # inference's log-probs.
-    final = out / "weights" / "step_3"
+    final = out / "weights" / "step_4"
     assert (final / "READY").exists() and (final / ADAPTER_WEIGHTS).exists()
     assert not list(final.glob("model*.safetensors")) and (final / MERGED_DIR / "READY").exists()
     assert json.loads((final / ADAPTER_CONFIG).read_text())["r"] == 8
@@ -68,31 +81,14 @@ def test_lora_rl_three_steps_with_verified_adapter_loads(tiny_qwen3_dir, tmp_pat
         logprobs = out_logits.log_softmax(-1)[:-1].gather(-1, torch.tensor(token_ids[1:])[:, None])[:, 0]
         assert (logprobs - served).abs().max() <= LOGPROB_TOLERANCE
 
-    deadline = time.monotonic() + 10
-    while processes_with_marker(marker) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert processes_with_marker(marker) == [], "processes left behind by the run"
 
-
-def _lora_resume_config(model_dir, out):
-    config = resume_config(model_dir, out)
-    config["model"]["lora"] = {"rank": 8, "alpha": 16.0}
-    config["trainer"]["optim"]["lr"] = 2e-2
-    return config
-
-
-def test_lora_rl_resume_matches_an_uninterrupted_run(tiny_qwen3_dir, tmp_path, run_env):
+def test_lora_rl_resume_matches_an_uninterrupted_run(tiny_qwen3_dir, tmp_path, run_env, lora_run):
     """Kill -9 the trainer after the checkpoint of step 2, `--resume`: the adapter and its AdamW state come back from
     the checkpoint, the orchestrator serves step 2's adapter again, and the run ends with the losses and the adapter
     of an uninterrupted run (synchronous, seeded requests)."""
     marker, env = run_env
-    reference, out = tmp_path / "reference", tmp_path / "run"
-    ref_cfg = write_config(tmp_path / "ref.toml", _lora_resume_config(tiny_qwen3_dir, reference))
-    stdout, stderr = _finish(_rl(ref_cfg, env), 600)
-    _wait_gone(marker)
-    assert "[slipstream] step 4/4" in stdout, f"stdout:\n{stdout}\nstderr:\n{stderr}"
-
-    cfg = write_config(tmp_path / "rl.toml", _lora_resume_config(tiny_qwen3_dir, out))
+    reference, out = lora_run, tmp_path / "run"
+    cfg = write_config(tmp_path / "rl.toml", _lora_config(tiny_qwen3_dir, out))
     launcher = _rl(cfg, env)
     try:
         deadline = time.monotonic() + 400
