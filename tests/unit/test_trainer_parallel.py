@@ -219,3 +219,36 @@ def test_fused_adamw_clips_in_its_kernel_as_the_separate_clip_does(scale):
     for f, p, b in zip(fused_params, plain_params, before, strict=True):
         torch.testing.assert_close(f.detach(), p.detach(), atol=1e-6, rtol=1e-6)
         assert not torch.equal(f.detach(), b)  # the step did update
+
+
+class _CountDeltaRule(TorchDispatchMode):
+    """Counts runs of qwen3_5_moe's delta-rule op that actually execute (forward and recomputation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.runs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.runs += func is torch.ops.slipstream.chunk_gated_delta_rule.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_keep_attention_saves_the_delta_rule_of_linear_attention(tiny_model_factory):
+    """Linear attention's delta rule is the attention kernel of qwen3_5_moe: keep_attention checkpointing saves its
+    output (one run per linear layer, not two), with the gradients of full checkpointing."""
+    input_ids_T, position_ids_T = torch.randint(3, 500, (12,)), torch.tensor([*range(5), *range(7)])
+    temperatures_T = torch.full((12,), 0.8)
+    runs, grads = [], []
+    for keep in (False, True):
+        policy = Policy(load_pretrained(tiny_model_factory("qwen3_5_moe_text"), impl="custom"))
+        apply_activation_checkpointing(policy, keep_attention=keep)
+        with _CountDeltaRule() as counter:
+            logprobs_T, _ = policy(input_ids_T, position_ids_T, temperatures_T)
+            logprobs_T.sum().backward()
+        runs.append(counter.runs)
+        grads.append({n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in policy.named_parameters()})
+    num_linear = sum(t == "linear_attention" for t in policy.model.args.layer_types)
+    assert num_linear >= 1 and runs == [2 * num_linear, num_linear]
+    for name, grad in grads[0].items():
+        if grad is not None:
+            torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=1e-7, msg=name)

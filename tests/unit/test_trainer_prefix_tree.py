@@ -240,3 +240,17 @@ def test_trees_take_padded_rows_where_plain_rows_would_run_varlen(tiny_model_fac
     cuda = torch.device("cuda")
     assert trees.num_rows == 6 and row_layout.use_padded_rows(model, trees, cuda, torch.bfloat16)
     assert not row_layout.use_padded_rows(model, plain, cuda, torch.bfloat16)
+
+
+def test_models_without_tree_support_train_trees_as_their_samples(tiny_model_factory):
+    """A hybrid linear-attention model (recurrent state: no tree mask applies) gets prefix trees written out as their
+    samples on every device, and trains exactly as one by one."""
+    model = load_pretrained(tiny_model_factory("qwen3_5_moe_text"), impl="custom")
+    assert model.supports_prefix_trees is False
+    (got_metrics, got_grads), (want_metrics, want_grads) = _tree_vs_one_by_one(model, LOSSES["geo_mask"])
+    # float32 sums in another order (the samples run as one packed row instead of one by one): relative tolerances
+    for key in ["loss", "mismatch_kl", "entropy", "grad_norm", "num_loss_tokens"]:
+        assert got_metrics[key] == pytest.approx(want_metrics[key], rel=1e-5, abs=1e-6), key
+    assert got_grads.keys() == want_grads.keys() and len(want_grads) > 5
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)

@@ -8,6 +8,7 @@
 Both give the same gradients as no checkpointing (the recomputation is deterministic: no dropout here).
 """
 
+import importlib
 from functools import partial
 
 import torch
@@ -19,7 +20,8 @@ aten = torch.ops.aten
 
 
 def attention_ops() -> set:
-    """The attention kernels' ops on every path of models/common/attention.py, as the checkpoint policy sees them."""
+    """The attention kernels' ops on every path of models/common/attention.py (and linear attention's delta rule), as
+    the checkpoint policy sees them."""
     ops = {
         aten._scaled_dot_product_cudnn_attention.default,
         aten._scaled_dot_product_flash_attention.default,
@@ -29,14 +31,17 @@ def attention_ops() -> set:
         aten._efficient_attention_forward.default,
         aten._cudnn_attention_forward.default,
     }
-    import torch._higher_order_ops as hops
-
-    flex = getattr(hops, "flex_attention", None)  # trainer.packed_attention = "flex"
+    flex = getattr(
+        importlib.import_module("torch._higher_order_ops"), "flex_attention", None
+    )  # trainer.packed_attention = "flex"
     if flex is not None:
         ops.add(flex)
+    try:  # qwen3_5_moe's linear attention (models/qwen3_5_moe/delta_rule.py), registered when its module is imported
+        ops.add(torch.ops.slipstream.chunk_gated_delta_rule.default)
+    except AttributeError:
+        pass
     try:  # torch >= 2.10: the packed (varlen) path is a custom op, registered when its module is imported
-        import torch.nn.attention.varlen  # noqa: F401
-
+        importlib.import_module("torch.nn.attention.varlen")  # (an import statement would make `torch` local here)
         ops.add(torch.ops.torch_attn._varlen_attn.default)
     except (ImportError, AttributeError):
         pass

@@ -183,9 +183,12 @@ def custom_hidden(
     """hidden_TD of our model, run as the packed row or as one padded row per sample (row_layout.py). On CUDA,
     prefix trees are written out as their samples first (`expand_trees`: exact, the prefix computed once per
     sample): no fused kernel there takes a tree's mask, and the dense mask grows as the square of the row. With
-    `model.packed_attention = "flex"` trees stay trees (flex_attention takes their block mask)."""
+    `model.packed_attention = "flex"` trees stay trees (flex_attention takes their block mask). Models whose layers
+    cannot take a tree at all (recurrent linear attention: `supports_prefix_trees = False`) get samples everywhere."""
     device = input_ids_T.device
-    if device.type in EXPAND_TREES_ON and layout.num_branches and model.packed_attention != "flex":
+    takes_trees = getattr(model, "supports_prefix_trees", True)
+    on_device = device.type in EXPAND_TREES_ON and model.packed_attention != "flex"
+    if layout.num_branches and (on_device or not takes_trees):
         source_E, own_T = expand_trees(position_ids_T)
         replay_ERA = None if replay_TRA is None else replay_TRA[source_E]
         expanded = build_padded_layout(position_ids_T[source_E])
