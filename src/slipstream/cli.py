@@ -18,12 +18,16 @@ commands:
   inference     run the vLLM inference server with Slipstream's weight-loading extension
   orchestrator  run the orchestrator (rollouts, rewards, batches)
   trainer       run the trainer (launch it under torchrun for several ranks)
+  tenant-server multi-tenant LoRA: start vLLM + one trainer serving many LoRA runs (docs/multi_tenant_lora.md)
+  tenant-run    join a tenant-server as one LoRA run (tenant) and run its orchestrator
+  tenant-trainer the tenant-server's trainer alone
   sft           supervised fine-tuning on chat data (JSONL/Parquet); writes a model folder for `model.name`
   eval          score a model folder or a run's step on an environment split (mean reward, pass@k)
   plot RUN_DIR  write PNG plots of a run into RUN_DIR/plots/
   model         model utilities: `model import NAME|FILE.gguf`, `model tiny --family F --out DIR`
   env           `env init NAME`: write an installable environment package (docs/environments.md)
   k8s           `k8s render -c rl.toml --out DIR`: write Kubernetes manifests of the run (docs/kubernetes.md)
+  plan          `plan -c rl.toml --nodes N --gpu h200 --workload FILE`: split GPUs between inference and trainer
 
 Configs: -c/--config FILE.toml (repeatable, later files win), then dotted overrides such as
 --trainer.optim.lr 1e-5. `slipstream <command> --help` lists every option with its default.
@@ -40,6 +44,19 @@ CONFIG_COMMANDS = {
     ),
     "trainer": ("slipstream.config.trainer", "TrainerConfig", "slipstream.trainer.rl", "run_trainer"),
     "sft": ("slipstream.config.sft", "SFTConfig", "slipstream.trainer.sft", "run_sft"),
+    "tenant-trainer": (
+        "slipstream.config.tenants",
+        "TenantTrainerConfig",
+        "slipstream.trainer.tenant_loop",
+        "run_tenant_trainer",
+    ),
+    "tenant-server": (
+        "slipstream.config.tenants",
+        "TenantServerConfig",
+        "slipstream.launch.tenant_server",
+        "run_tenant_server",
+    ),
+    "tenant-run": ("slipstream.config.tenants", "TenantRunConfig", "slipstream.launch.tenant_run", "run_tenant"),
     "eval": ("slipstream.config.eval", "EvalConfig", "slipstream.eval.run", "eval_command"),
 }
 
@@ -74,6 +91,10 @@ def _main(argv: list[str]) -> int:
         from slipstream.deploy.cli import main as k8s_main
 
         return k8s_main(rest)
+    if command == "plan":
+        from slipstream.planner.cli import main as plan_main
+
+        return plan_main(rest)
     if command not in CONFIG_COMMANDS:
         print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -82,3 +82,7 @@ def test_parallel_dims_checked_against_the_model(tiny_model_factory):
         check_parallel_fits_model(ParallelDims(1, 3, 1, 3, 3), moe, "custom")
     with pytest.raises(ValueError, match=r"trainer.parallel.cp = 2 needs trainer.model_impl = 'custom'"):
         check_parallel_fits_model(_dims(cp=2), dense, "hf")
+    hybrid = load_pretrained(tiny_model_factory("qwen3_5_moe_text"), impl="custom")  # recurrent linear attention
+    check_parallel_fits_model(_dims(ep=2), hybrid, "custom")
+    with pytest.raises(ValueError, match=r"trainer.parallel.cp = 2: Qwen35Moe has layers .* set cp = 1"):
+        check_parallel_fits_model(_dims(cp=2), hybrid, "custom")

@@ -36,6 +36,10 @@ class LoRAConfig(BaseConfig):
     name: str = Field("policy-lora", min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
     """Name inference serves the adapter under (the model name the orchestrator requests in RL)."""
 
+    max_loras: int = Field(1, ge=1)
+    """Adapters inference serves at once (vLLM --max-loras): 1 for one run; at least the number of tenants of a
+    multi-tenant trainer (docs/multi_tenant_lora.md), each served under its tenant's name."""
+
     @property
     def scale(self) -> float:
         return self.alpha / self.rank

@@ -2,6 +2,7 @@
 logprobs at the sampling temperature (the trainer's loss needs them)."""
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -11,6 +12,8 @@ from slipstream.config.shared import LoRAConfig
 from slipstream.inference.instance import INSTANCE_ENV, new_instance_id
 from slipstream.inference.options import option_args, option_env, setup_mooncake_config
 from slipstream.inference.vllm_plugin import ENGINE_BACKEND
+
+log = logging.getLogger(__name__)
 
 ADMIN_MIDDLEWARE = "slipstream.inference.auth.AdminTokenMiddleware"
 INSTANCE_MIDDLEWARE = "slipstream.inference.instance.InstanceIdMiddleware"
@@ -58,14 +61,15 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def lora_args(lora: LoRAConfig | None) -> list[str]:
-    """With `model.lora`: serve one adapter (the policy, loaded and reloaded in place by the orchestrator through
-    /v1/load_lora_adapter) of at most the configured rank, on top of the frozen base model."""
+    """With `model.lora`: serve `max_loras` adapters (the policy, or one per tenant of a multi-tenant trainer, each
+    loaded and reloaded in place by its orchestrator through /v1/load_lora_adapter) of at most the configured rank, on
+    top of the frozen base model."""
     if lora is None:
         return []
     max_rank = next((r for r in VLLM_LORA_RANKS if r >= lora.rank), None)
     if max_rank is None:
         raise ValueError(f"model.lora.rank = {lora.rank} is above vLLM's largest LoRA rank ({VLLM_LORA_RANKS[-1]})")
-    return ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", "1"]
+    return ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", str(lora.max_loras)]
 
 
 def build_vllm_env(config: InferenceConfig, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -115,12 +119,13 @@ def run_inference(config: InferenceConfig) -> int:
     """Resolve the model folder and replace this process with the vLLM server."""
     from slipstream.inference.admin_token import TOKEN_ENV
     from slipstream.models.hub import resolve_model_config
+    from slipstream.monitor.logs import setup_logging
 
+    setup_logging("inference")
     if not os.environ.get(TOKEN_ENV):
-        print(
-            f"error: set {TOKEN_ENV} to a secret before starting inference (the orchestrator needs the same value); "
-            "it guards the weight-loading and pause endpoints. `slipstream rl` sets it for you.",
-            file=sys.stderr,
+        log.error(
+            f"set {TOKEN_ENV} to a secret before starting inference (the orchestrator needs the same value); "
+            "it guards the weight-loading and pause endpoints. `slipstream rl` sets it for you."
         )
         return 2
     model_path = resolve_model_config(config.model)
@@ -130,6 +135,6 @@ def run_inference(config: InferenceConfig) -> int:
 
         return run_inference_group(config, model_path)  # several engines (and the router) on this node
     argv = build_vllm_argv(config, model_path)
-    print("starting vLLM:", " ".join(argv), flush=True)
+    log.info(f"starting vLLM: {' '.join(argv)}")
     env = {**build_vllm_env(config), **setup_mooncake_config(config)}
     os.execve(sys.executable, argv, env)

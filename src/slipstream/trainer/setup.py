@@ -1,6 +1,7 @@
 """Build everything the trainer loop needs: ranks and process group, model (ours or transformers'), parallelism,
 optimizer, tokenizer, probe tokens, and the state of a checkpoint to resume from."""
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 from slipstream.config.shared import ModelConfig
 from slipstream.config.trainer import TrainerConfig
 from slipstream.models.common.fp8 import apply_fp8
-from slipstream.models.common.lora import apply_lora
+from slipstream.models.common.lora import apply_lora, init_adapters
 from slipstream.models.common.moe import find_grouped_experts
 from slipstream.parallel.cp import ContextParallel
 from slipstream.parallel.dist import RankInfo, barrier, init_distributed, rank_device, read_rank_info
@@ -27,6 +28,8 @@ from slipstream.trainer.weights import build_probe_token_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -152,18 +155,17 @@ def setup_trainer(config: TrainerConfig) -> Trainer:
 
 
 def setup_lora(model: nn.Module, config: TrainerConfig) -> None:
-    """With `model.lora`: add the adapters (seeded by trainer.seed) and freeze the base weights, before any
+    """With `model.lora`: add the adapters (initialised from trainer.seed alone) and freeze the base weights, before any
     parallelism wraps the model."""
     lora = config.model.lora
     if lora is None:
         return
     adapted = apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+    init_adapters(model, config.seed)  # from the seed alone: a multi-tenant trainer's tenant starts alike
     if read_rank_info().is_main:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
-        print(
-            f"[trainer] LoRA rank {lora.rank} on {len(adapted)} modules: {trainable:,} of {total:,} parameters trained"
-        )
+        log.info(f"LoRA rank {lora.rank} on {len(adapted)} modules: {trainable:,} of {total:,} parameters trained")
 
 
 def check_parallel_fits_model(dims: ParallelDims, model: nn.Module, impl: str) -> None:
@@ -174,8 +176,18 @@ def check_parallel_fits_model(dims: ParallelDims, model: nn.Module, impl: str) -
             f"trainer.parallel.cp = {dims.cp} needs trainer.model_impl = 'custom' (context parallelism lives in our "
             "attention); set model_impl = 'custom' for a supported model type, or cp = 1"
         )
+    if dims.cp > 1 and not getattr(model, "supports_context_parallel", True):
+        raise ValueError(
+            f"trainer.parallel.cp = {dims.cp}: {type(model).__name__} has layers that context parallelism cannot split "
+            "exactly (recurrent linear attention carries a state along each sample); set cp = 1"
+        )
     if dims.ep == 1:
         return
+    if not getattr(model, "supports_expert_parallel", True):
+        raise ValueError(
+            f"trainer.parallel.ep = {dims.ep}: {type(model).__name__} is not supported with expert parallelism (its "
+            "experts carry biases that the EP path does not shard); set ep = 1"
+        )
     experts = find_grouped_experts(model) if impl == "custom" else []
     if not experts:
         raise ValueError(
@@ -220,9 +232,7 @@ def maybe_resume(trainer: Trainer, config: TrainerConfig) -> None:
     load_checkpoint(trainer.policy, trainer.optimizer, config.output_dir, trainer.checkpoint_meta(step), trainer.info)
     trainer.start_step = step
     if trainer.info.is_main:
-        print(
-            f"resumed from {RunDir(config.output_dir).checkpoint_dir(step)} at {trainer.world_size} rank(s)", flush=True
-        )
+        log.info(f"resumed from {RunDir(config.output_dir).checkpoint_dir(step)} at {trainer.world_size} rank(s)")
 
 
 def teardown_trainer(trainer: Trainer) -> None:

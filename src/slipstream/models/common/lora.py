@@ -152,6 +152,25 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
     return adapted
 
 
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """(Re)initialise every adapter of `model` from `seed` alone (A as PEFT does, B at zero, in module order),
+    leaving the global RNG as it was: the same modules and seed always give the same adapters, whatever ran before
+    (one run's trainer and a multi-tenant trainer's tenant start alike)."""
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        for module in model.modules():
+            if isinstance(module, LoRALinear):
+                pairs = [(module.lora_A, module.lora_B)]
+            elif isinstance(module, LoRAGroupedExperts):
+                pairs = [(getattr(module, f"{p}_lora_A"), getattr(module, f"{p}_lora_B")) for p in EXPERT_PROJECTIONS]
+            else:
+                continue
+            for a, b in pairs:
+                if not a.is_meta:
+                    _init_lora_A(a.data)
+                    b.data.zero_()
+
+
 def is_lora_name(name: str) -> bool:
     """Whether a parameter / state-dict name is an adapter's."""
     return "lora_A" in name or "lora_B" in name
