@@ -1,6 +1,7 @@
 """End to end through real vLLM (CPU build): a tiny random Qwen3 trains for 3 steps with weight sync checks."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -43,6 +44,10 @@ def test_three_steps_with_verified_weight_updates(family, tiny_model_factory, tm
         for key in ("reward/mean", "reward/std", "loss", "mismatch_kl", "entropy", "grad_norm", "tokens_per_s"):
             assert key in m, key
     assert proc.stdout.count("step ") >= 3  # one progress line per step on the console
+    for role in ("trainer", "orchestrator"):  # log files: timestamped, levelled records, one line per step
+        log = (out / "logs" / f"{role}.log").read_text()
+        line = rf"^\d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{{3}}Z INFO \[{role}\] step 3/3 \| reward "
+        assert re.search(line, log, re.M), log[-3000:]
 
     checks = _read_jsonl(out / "weight_checks.jsonl")
     steps = [c["step"] for c in checks]

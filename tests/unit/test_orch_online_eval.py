@@ -105,7 +105,7 @@ def test_online_eval_holds_its_policy_shares_concurrency_and_stays_out_of_batche
             assert not any(p in prompt_text for p in eval_prompts)
 
 
-def test_an_evaluation_past_its_timeout_is_cancelled_and_counted(tmp_path, capsys):
+def test_an_evaluation_past_its_timeout_is_cancelled_and_counted(tmp_path, caplog):
     server = SimServer(SimConfig(model_name=MODEL, token_latency_s=0.05))  # 0.5 s per eval request
     with serve_in_thread(server) as url:
         config = eval_config(tmp_path, url, timeout_s=0.2)
@@ -114,7 +114,7 @@ def test_an_evaluation_past_its_timeout_is_cancelled_and_counted(tmp_path, capsy
     metrics = [read_batch(batch_path(tmp_path, n, 0)).metrics for n in (1, 2)]
     assert any(m.get("eval/num_timeouts", 0) >= 1 for m in metrics)
     assert not (tmp_path / ONLINE_EVAL_FILE).exists()
-    assert "online evaluation of policy v0 cancelled after eval.timeout_s = 0.2s" in capsys.readouterr().out
+    assert "online evaluation of policy v0 cancelled after eval.timeout_s = 0.2s" in caplog.text
 
 
 def test_due_versions():

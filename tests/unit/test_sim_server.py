@@ -3,12 +3,12 @@ chat completions, metrics."""
 
 import ast
 import asyncio
-import re
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from slipstream.envs.base import Task
 from slipstream.inference.sim import (
@@ -41,8 +41,10 @@ def publish(tmp_path: Path, step: int) -> str:
 
 
 async def gauges(http: httpx.AsyncClient) -> dict[str, float]:
+    """The sim's vLLM series, read with prometheus_client's parser (as the orchestrator reads vLLM's)."""
     text = (await http.get("/metrics")).text
-    return {m[1]: float(m[2]) for m in re.finditer(r"^(vllm:\w+)\{[^}]*\} (\S+)$", text, re.M)}
+    families = text_string_to_metric_families(text)
+    return {s.name: float(s.value) for f in families for s in f.samples if s.name.startswith("vllm:")}
 
 
 def serve(**config):

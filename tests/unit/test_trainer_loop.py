@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -136,7 +137,11 @@ def test_run_trainer_trains_publishes_and_logs(model, model_dir, tmp_path, capsy
         for key in ("loss", "mismatch_kl", "entropy", "grad_norm", "lr", "tokens_per_s", "timing/step_s"):
             assert math.isfinite(r[key]), key
         assert all(math.isfinite(v) for v in r.values() if isinstance(v, float))
-    assert "step 2/2 | reward 0.500" in capsys.readouterr().out
+    # the trainer's stdout (its log file under the launcher): timestamped, levelled records, one line per step
+    out = capsys.readouterr().out
+    assert re.search(
+        r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z INFO \[trainer\] step 2/2 \| reward 0\.500", out, re.M
+    ), out
 
     probe = read_probe(tmp_path, 2)
     assert len(probe["logprobs"]) == len(probe["token_ids"]) - 1

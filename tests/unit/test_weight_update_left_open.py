@@ -24,7 +24,7 @@ def _publish(tmp_path: Path, step: int) -> str:
     return str(folder)
 
 
-def test_a_load_closes_the_session_a_dead_orchestrator_left_open(tmp_path, capsys):
+def test_a_load_closes_the_session_a_dead_orchestrator_left_open(tmp_path, caplog):
     server = SimServer(SimConfig())
 
     async def scenario(url: str) -> None:
@@ -43,7 +43,7 @@ def test_a_load_closes_the_session_a_dead_orchestrator_left_open(tmp_path, capsy
     with serve_in_thread(server) as url:
         asyncio.run(scenario(url))
     assert server.engine.version == 3 and not server.engine.paused
-    assert "closing a weight update an earlier orchestrator left open" in capsys.readouterr().out
+    assert "closing a weight update an earlier orchestrator left open" in caplog.text
 
 
 def test_vllms_http_500_refusal_is_not_taken_for_a_lost_server():

@@ -3,10 +3,10 @@ engine on its share of the node's GPUs and, on the head node, the vllm-router in
 one exits or on SIGTERM/SIGINT. Each child dies with this process (PR_SET_PDEATHSIG), so none outlives it."""
 
 import ctypes
+import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,6 +14,8 @@ from slipstream.config.inference import InferenceConfig
 from slipstream.inference.deployment import engine_commands, router_argv
 from slipstream.inference.options import setup_mooncake_config
 from slipstream.inference.server import build_vllm_env
+
+log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 10.0
@@ -57,10 +59,10 @@ def run_inference_group(config: InferenceConfig, model_path: Path) -> int:
             if gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
             name = f"{command.slot.role}-{command.slot.local_index} (port {command.slot.port})"
-            print(f"starting vLLM engine {name}:", " ".join(command.argv), flush=True)
+            log.info(f"starting vLLM engine {name}: {' '.join(command.argv)}")
             children.append((name, subprocess.Popen(command.argv, env=env, preexec_fn=_die_with_parent)))
         if config.deployment.node_rank == 0 and (argv := router_argv(config)) is not None:
-            print("starting vllm-router:", " ".join(argv), flush=True)
+            log.info(f"starting vllm-router: {' '.join(argv)}")
             children.append(("vllm-router", subprocess.Popen(argv, preexec_fn=_die_with_parent)))
         return _wait_first_exit(children, stop)
     finally:
@@ -73,7 +75,7 @@ def _wait_first_exit(children: list[tuple[str, subprocess.Popen]], stop: dict[st
     while not stop["signal"]:
         for name, proc in children:
             if (code := proc.poll()) is not None:
-                print(f"inference {name} exited with code {code}; stopping the other engines", file=sys.stderr)
+                log.error(f"inference {name} exited with code {code}; stopping the other engines")
                 return code or 1
         time.sleep(0.2)
     return 128 + stop["signal"]

@@ -1,7 +1,10 @@
 """A process's monitoring sinks from its `monitor` config: the Prometheus endpoint (trainer on
 `monitor.prometheus_port`, orchestrator on the next port) and, for the trainer, the Weights & Biases run."""
 
+import logging
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 PROMETHEUS_PORT_OFFSET = {"trainer": 0, "orchestrator": 1}
 """Each process's port relative to monitor.prometheus_port."""
@@ -18,7 +21,7 @@ class Monitors:
 
             port = monitor.prometheus_port + PROMETHEUS_PORT_OFFSET[process]
             self.prometheus = PrometheusExporter(monitor.prometheus_host, port, process)
-            print(f"[{process}] Prometheus metrics on http://{monitor.prometheus_host}:{port}/metrics", flush=True)
+            log.info(f"Prometheus metrics on http://{monitor.prometheus_host}:{port}/metrics")
         if monitor.wandb is not None and process == "trainer":  # the trainer's records hold both processes' metrics
             from slipstream.monitor.wandb_run import WandbRun
 

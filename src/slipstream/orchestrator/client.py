@@ -13,6 +13,7 @@ weights on the server (weights.py) and calls `mark_available()`.
 
 import asyncio
 import json
+import logging
 import math
 import re
 import time
@@ -25,6 +26,8 @@ import httpx
 from slipstream.config.inference_deployment import SESSION_HEADER
 from slipstream.inference.admin_token import admin_headers
 from slipstream.inference.instance import INSTANCE_HEADER
+
+log = logging.getLogger(__name__)
 
 
 class InferenceError(RuntimeError):
@@ -445,7 +448,7 @@ class InferenceClient:
         try:
             await self.post("/start_weight_update")
         except WeightUpdateOpen as e:
-            print(f"[orchestrator] closing a weight update an earlier orchestrator left open ({e})", flush=True)
+            log.warning(f"closing a weight update an earlier orchestrator left open ({e})")
             await self.post("/finish_weight_update", json={"weight_version": str(version)})
             await self.post("/start_weight_update")
 

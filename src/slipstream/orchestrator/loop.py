@@ -6,10 +6,12 @@ At checkpoint steps it saves its state before writing the batch (state.py); a re
 """
 
 import asyncio
+import logging
 from itertools import groupby
 
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.envs.hosting import open_environment
+from slipstream.monitor.logs import setup_logging
 from slipstream.monitor.sinks import Monitors
 from slipstream.orchestrator.advantages import group_advantages
 from slipstream.orchestrator.batching import build_training_batches, write_training_batches
@@ -24,9 +26,12 @@ from slipstream.rundir import RunDir, step_dirs
 from slipstream.transport.checkpoints import is_checkpoint_step, resolve_run_step
 from slipstream.transport.weights import is_ready
 
+log = logging.getLogger(__name__)
+
 
 def run_orchestrator(config: OrchestratorConfig) -> None:
     """Run the orchestrator for `config.max_steps` steps (blocking; drives asyncio internally)."""
+    setup_logging("orchestrator")
     asyncio.run(orchestrate(config))
 
 
@@ -40,9 +45,7 @@ async def orchestrate(config: OrchestratorConfig) -> dict[str, float]:
     ):
         await client.wait_healthy(config.health_timeout_s)
         train_tasks = env.tasks("train")
-        print(
-            f"[orchestrator] environment {env.name!r} ({config.env.name}): {len(train_tasks)} train tasks", flush=True
-        )
+        log.info(f"environment {env.name!r} ({config.env.name}): {len(train_tasks)} train tasks")
         sampler = TaskSampler(train_tasks, config.batch_size // config.group_size, config.seed)
         relay = WeightRelay(client, config)
         pipeline = RolloutPipeline(client, env, sampler, relay, config)
@@ -55,18 +58,17 @@ async def orchestrate(config: OrchestratorConfig) -> dict[str, float]:
                     metrics.update(assign_advantages(step, rollouts, config))
                     maybe_checkpoint(step, pipeline, config)
                     write_step(step, rollouts, config, metrics)
-                    print(progress_line(step, config.max_steps, metrics), flush=True)
+                    log.info(progress_line(step, config.max_steps, metrics))
                     monitors.log(step, {**metrics, **pipeline.counters()})
         finally:
             monitors.close()
         summary = {**pipeline.counters(), "pipeline/abandoned_groups": float(pipeline.ledger.num_abandoned)}
-        print(
-            f"[orchestrator] done: {summary['pipeline/dispatched_groups']:.0f} groups started, "
+        log.info(
+            f"done: {summary['pipeline/dispatched_groups']:.0f} groups started, "
             f"{summary['pipeline/cancelled_groups']:.0f} cancelled and {summary['pipeline/dropped_groups']:.0f} "
             f"dropped as too old, {summary['pipeline/failed_groups']:.0f} dropped for failed rollouts "
             f"({summary['pipeline/failed_rollouts']:.0f} rollouts failed in their environment), "
-            f"{summary['pipeline/abandoned_groups']:.0f} left over at the end",
-            flush=True,
+            f"{summary['pipeline/abandoned_groups']:.0f} left over at the end"
         )
         await relay.load_final(config.max_steps)
         if pipeline.evaluator is not None:
@@ -81,7 +83,7 @@ async def maybe_resume(pipeline: RolloutPipeline, relay: WeightRelay, config: Or
     step = resolve_run_step(config.output_dir, config.resume_step, "orchestrator.resume_step")
     if step is None:
         if config.resume_step is not None:
-            print(f"[orchestrator] no committed checkpoint in {run.checkpoints_root}; starting at step 0")
+            log.info(f"no committed checkpoint in {run.checkpoints_root}; starting at step 0")
         return 0
     later = [s for s in step_dirs(run.rollouts_root) if s > step]
     if later:
@@ -98,10 +100,9 @@ async def maybe_resume(pipeline: RolloutPipeline, relay: WeightRelay, config: Or
     state = load_state(config.output_dir, step, config.seed, config.env.name, pipeline.sampler.tasks_per_step)
     pipeline.restore(state)
     await relay.update(step)
-    print(
-        f"[orchestrator] resumed after step {step}: serving its weights, next task position {state.next_task_index}, "
-        f"{len(state.requeued_task_indices)} unfinished group(s) to generate again",
-        flush=True,
+    log.info(
+        f"resumed after step {step}: serving its weights, next task position {state.next_task_index}, "
+        f"{len(state.requeued_task_indices)} unfinished group(s) to generate again"
     )
     return step
 

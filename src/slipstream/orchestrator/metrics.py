@@ -64,7 +64,7 @@ def progress_line(step: int, max_steps: int, metrics: dict[str, float]) -> str:
     """One human-readable line per step."""
     m = metrics
     line = (
-        f"[orchestrator] step {step}/{max_steps} | reward {m['reward/mean']:.3f} | seq_len {m['seq_len/mean']:.0f} "
+        f"step {step}/{max_steps} | reward {m['reward/mean']:.3f} | seq_len {m['seq_len/mean']:.0f} "
         f"| policy v{m['policy/version_oldest']:.0f}-v{m['policy/version_newest']:.0f} "
         f"(lag {m['policy/lag_max']:.0f}) | zero-adv groups {m['batch/zero_adv_groups']:.0f} "
         f"| cancelled {m['pipeline/cancelled_groups']:.0f} dropped {m['pipeline/dropped_groups']:.0f} "

@@ -4,11 +4,14 @@ logged).
 """
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 from slipstream.envs.base import AnyEnvironment, MissingReward, Task, score
 from slipstream.envs.rollout import MISSING_REWARD, ModelFn, RolloutError, RolloutResult, run_rollout
 from slipstream.rollout.record import Rollout, rollout_from_result
+
+log = logging.getLogger(__name__)
 
 
 async def play_group(
@@ -103,10 +106,9 @@ class RolloutFailures:
                 "failure of each stage is logged above with its traceback) and resume the run"
             )
         if len(rollouts) < self.min_survivors:
-            print(
-                f"[orchestrator] group of task {task.id} dropped: {len(rollouts)} of {num_outcomes} rollouts "
-                f"survived (at least {self.min_survivors} needed)",
-                flush=True,
+            log.warning(
+                f"group of task {task.id} dropped: {len(rollouts)} of {num_outcomes} rollouts "
+                f"survived (at least {self.min_survivors} needed)"
             )
             return None
         return rollouts
@@ -115,9 +117,9 @@ class RolloutFailures:
         self.last_error = error
         first = error.stage not in self.by_stage
         self.by_stage[error.stage] = self.by_stage.get(error.stage, 0) + 1
-        print(f"[orchestrator] {error} (excluded from training)", flush=True)
+        log.warning(f"{error} (excluded from training)")
         if first and error.traceback:
-            print(f"[orchestrator] first {error.stage} failure, traceback:\n{error.traceback.rstrip()}", flush=True)
+            log.warning(f"first {error.stage} failure, traceback:\n{error.traceback.rstrip()}")
 
     def counters(self) -> dict[str, float]:
         """Cumulative counts of failed rollouts, in total and per stage."""

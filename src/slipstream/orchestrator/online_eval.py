@@ -8,6 +8,7 @@ weight relay has re-established the served weights.
 
 import asyncio
 import json
+import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -22,6 +23,8 @@ from slipstream.orchestrator.ledger import Signal
 from slipstream.orchestrator.weights import WeightRelay
 from slipstream.rundir import RunDir
 from slipstream.utils.fs import append_line
+
+log = logging.getLogger(__name__)
 
 """One line per online evaluation, relative to the run directory."""
 
@@ -126,23 +129,19 @@ class OnlineEvaluator:
             except TimeoutError:
                 self.num_timeouts += 1
                 self.pending_metrics.append({f"{EVAL_METRIC_PREFIX}num_timeouts": float(self.num_timeouts)})
-                print(
-                    f"[orchestrator] online evaluation of policy v{version} cancelled after eval.timeout_s = "
-                    f"{self.config.timeout_s:g}s; lower eval.num_tasks or eval.num_samples, or raise the timeout",
-                    flush=True,
+                log.warning(
+                    f"online evaluation of policy v{version} cancelled after eval.timeout_s = "
+                    f"{self.config.timeout_s:g}s; lower eval.num_tasks or eval.num_samples, or raise the timeout"
                 )
                 return None
             except InferenceUnavailable as e:
                 self.num_interrupted += 1
                 self.last_version = previous  # evaluate this version again once inference is back
                 self.pending_metrics.append({f"{EVAL_METRIC_PREFIX}num_interrupted": float(self.num_interrupted)})
-                print(
-                    f"[orchestrator] online evaluation of policy v{version} interrupted ({e}); it runs again",
-                    flush=True,
-                )
+                log.warning(f"online evaluation of policy v{version} interrupted ({e}); it runs again")
                 return None
             except asyncio.CancelledError:
-                print(f"[orchestrator] online evaluation of policy v{version} cancelled", flush=True)
+                log.info(f"online evaluation of policy v{version} cancelled")
                 raise
         self._record(version, result)
         return result
@@ -168,7 +167,7 @@ class OnlineEvaluator:
         self.pending_metrics.append(metrics)
         summary = {k: v for k, v in result.to_dict().items() if k != "tasks"}
         append_line(self.path, json.dumps({"step": version, "time": time.time(), **summary}))
-        print(f"[orchestrator] online eval of policy v{version}: {format_summary(result)}", flush=True)
+        log.info(f"online eval of policy v{version}: {format_summary(result)}")
 
     def take_metrics(self) -> dict[str, float]:
         """Metrics of the oldest evaluation not yet in a batch ({} if none)."""

@@ -22,6 +22,7 @@ recovers; a group whose request failed is generated again from scratch once the 
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
@@ -42,6 +43,8 @@ from slipstream.rollout.record import Rollout, sampling_params
 from slipstream.rollout.streaming import StreamedChat
 from slipstream.rollout.turns import TurnProgress, TurnRequester, sample_completions
 from slipstream.transport.weights import weights_dir
+
+log = logging.getLogger(__name__)
 
 
 class RolloutPipeline:
@@ -371,7 +374,7 @@ class RolloutPipeline:
             load = parse_server_load(text, where)
             if load.num_preemptions is None and not noted:
                 noted = True
-                print(f"[orchestrator] note: {where} has no preemption counter; backing off on queueing only")
+                log.info(f"{where} has no preemption counter; backing off on queueing only")
             if not self.relay.accepting:
                 continue
             saturated = self._limit_was_binding or self._dispatch_state() == "limit"

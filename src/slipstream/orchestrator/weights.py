@@ -15,6 +15,7 @@ the served version again on the server that answers, verifies it with the probe,
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -31,6 +32,8 @@ from slipstream.transport.checkpoints import committed_run_steps, resume_weight_
 from slipstream.transport.weight_offers import latest_available_step, wait_for_available
 from slipstream.transport.weights import is_ready, read_probe
 from slipstream.utils.fs import append_line
+
+log = logging.getLogger(__name__)
 
 
 class WeightSyncError(RuntimeError):
@@ -130,10 +133,9 @@ class WeightRelay:
     async def _recover(self) -> None:
         cfg, reason = self.config.recovery, self.client.unavailable_reason
         url = f"{self.client.base_url}/health"
-        print(
-            f"[orchestrator] inference unavailable ({reason}); new requests wait until it answers {url} again "
-            f"(at most recovery.timeout_s = {cfg.timeout_s:g}s) and serves policy v{self.served_version} again",
-            flush=True,
+        log.warning(
+            f"inference unavailable ({reason}); new requests wait until it answers {url} again "
+            f"(at most recovery.timeout_s = {cfg.timeout_s:g}s) and serves policy v{self.served_version} again"
         )
         start = time.perf_counter()
         deadline = time.monotonic() + cfg.timeout_s
@@ -151,17 +153,16 @@ class WeightRelay:
                 check = await self._reload_served()
                 break
             except InferenceUnavailable as e:
-                print(f"[orchestrator] inference lost again while re-establishing its weights ({e})", flush=True)
+                log.warning(f"inference lost again while re-establishing its weights ({e})")
         self.client.mark_available()
         seconds = time.perf_counter() - start
         m = self.pending_metrics
         m["inference/num_recoveries"] = m.get("inference/num_recoveries", 0.0) + 1
         m["timing/inference_recovery_s"] = m.get("timing/inference_recovery_s", 0.0) + seconds
         verified = "" if check is None else f", verified (probe max |diff| {check:.2g})"
-        print(
-            f"[orchestrator] inference back after {seconds:.1f}s (instance {instance}); serving policy "
-            f"v{self.served_version} again{verified}; new requests resume",
-            flush=True,
+        log.info(
+            f"inference back after {seconds:.1f}s (instance {instance}); serving policy "
+            f"v{self.served_version} again{verified}; new requests resume"
         )
         self.on_change()
 
@@ -280,7 +281,7 @@ class WeightRelay:
             )
             if self.config.weight_check.stop_on_failure:
                 raise WeightSyncError(message)
-            print(f"[orchestrator] WARNING: {message}", flush=True)
+            log.warning(message)
         return check["max_abs_diff"]
 
 

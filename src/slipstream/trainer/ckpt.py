@@ -8,6 +8,7 @@ All ranks must see output_dir on one shared filesystem.
 """
 
 import json
+import logging
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -26,6 +27,8 @@ from slipstream.rundir import COMMITTED, TRAINER_PART, RunDir, step_dirs
 from slipstream.transport.checkpoints import committed_run_steps
 from slipstream.transport.weights import read_marker
 from slipstream.utils.fs import atomic_write_text, commit_dir
+
+log = logging.getLogger(__name__)
 
 CKPT_FORMAT_VERSION = 1
 PROGRESS = "progress.json"
@@ -65,7 +68,7 @@ def resolve_resume_step(output_dir: Path, resume_step: int | str | None, whole_r
     if resume_step == "latest":
         if not steps:
             root = RunDir(output_dir).checkpoints_root
-            print(f"resume_step = 'latest': no committed checkpoint under {root}; starting at step 0")
+            log.info(f"resume_step = 'latest': no committed checkpoint under {root}; starting at step 0")
         return steps[-1] if steps else None
     if resume_step not in steps:
         raise FileNotFoundError(
@@ -125,7 +128,9 @@ def load_checkpoint(
         _set_rng_state(torch.load(rng_path, weights_only=True))
     else:
         # Written with fewer ranks: this rank had no RNG stream (training draws no random numbers today).
-        print(f"rank {info.rank}: {rng_path} does not exist (checkpoint of {progress['world_size']} ranks); RNG kept")
+        log.warning(
+            f"rank {info.rank}: {rng_path} does not exist (checkpoint of {progress['world_size']} ranks); RNG kept"
+        )
 
 
 def read_progress(path: Path) -> dict:

@@ -10,6 +10,7 @@ Every rank gathers (FSDP collectives); rank 0 writes and sends. The probe (log-p
 from the published dtype's weights, so the orchestrator can check that inference serves exactly them.
 """
 
+import logging
 import os
 import shutil
 import time
@@ -49,6 +50,8 @@ from slipstream.transport.weight_stream import (
 )
 from slipstream.transport.weights import PROBE, READY, weights_dir
 from slipstream.utils.fs import atomic_write_text, commit_dir
+
+log = logging.getLogger(__name__)
 
 
 def resolve_transport(transport: str, device: torch.device) -> str:
@@ -171,10 +174,9 @@ class WeightPublisher:
             if ok:
                 break
             if self.is_main:
-                print(
-                    f"[trainer] sending the weights of step {step} failed ({sender.error}); waiting for inference "
-                    "to take them again",
-                    flush=True,
+                log.warning(
+                    f"sending the weights of step {step} failed ({sender.error}); waiting for inference to take "
+                    "them again"
                 )
                 self.refused.add(self.session)
                 close_group(self.group)

@@ -1,9 +1,11 @@
 """RL trainer loop: wait for this rank's batch of step N, train on it, publish weights of step N, log, checkpoint."""
 
+import logging
 import time
 from pathlib import Path
 
 from slipstream.config.trainer import TrainerConfig
+from slipstream.monitor.logs import setup_logging
 from slipstream.monitor.metrics import MetricsWriter, format_progress, merge_metrics
 from slipstream.monitor.sinks import Monitors
 from slipstream.parallel.dist import barrier
@@ -25,9 +27,12 @@ from slipstream.transport.rollouts import wait_for_batch
 
 __all__ = ["run_trainer", "setup_trainer"]
 
+log = logging.getLogger(__name__)
+
 
 def run_trainer(config: TrainerConfig) -> None:
     """Train steps start_step + 1 .. max_steps; step N's weights are published as policy version N (by rank 0)."""
+    setup_logging("trainer")
     trainer = setup_trainer(config)
     publisher = WeightPublisher(trainer, config, adapters=True)
     monitors = Monitors(config, "trainer") if trainer.info.is_main else None
@@ -63,7 +68,7 @@ def run_trainer(config: TrainerConfig) -> None:
                 }
                 # Before the checkpoint: a committed step always has its record (resume drops later records).
                 record = writer.write(step, merge_metrics(batch.metrics, metrics))
-                print(format_progress(step, config.max_steps, record), flush=True)
+                log.info(format_progress(step, config.max_steps, record))
                 monitors.log(step, record)
             maybe_checkpoint(trainer, config, step)
         barrier()
@@ -86,7 +91,7 @@ class NonFiniteGuard:
             return self.total
         self.in_a_row += 1
         self.total += 1
-        print(f"[trainer] step {step}: NaN/inf gradient norm, optimizer step skipped ({self.in_a_row} in a row)")
+        log.warning(f"step {step}: NaN/inf gradient norm, optimizer step skipped ({self.in_a_row} in a row)")
         if self.in_a_row >= self.limit:
             raise FloatingPointError(
                 f"{self.in_a_row} steps in a row (up to step {step}) had NaN/inf gradients and were skipped "
@@ -114,7 +119,7 @@ def maybe_checkpoint(trainer: Trainer, config: TrainerConfig, step: int) -> None
         committed = committed_steps(config.output_dir)
     pruned = prune_checkpoints(config.output_dir, committed, ckpt.keep_last, ckpt.keep_every)
     note = f"; deleted checkpoints of steps {pruned}" if pruned else ""
-    print(f"[trainer] checkpoint of step {step} committed in {time.perf_counter() - start:.1f}s{note}", flush=True)
+    log.info(f"checkpoint of step {step} committed in {time.perf_counter() - start:.1f}s{note}")
 
 
 ORCHESTRATOR_PART_TIMEOUT_S = 60.0

@@ -6,11 +6,13 @@ Model loading, parallelism (FSDP/EP/CP/AC/compile), AdamW, checkpoints and the w
 (setup_trainer, trainer/ckpt.py, trainer/publish.py), driven by `SFTConfig.trainer_config()`.
 """
 
+import logging
 import time
 from dataclasses import dataclass
 
 from slipstream.config.sft import SFTConfig
 from slipstream.config.trainer import TrainerConfig
+from slipstream.monitor.logs import setup_logging
 from slipstream.monitor.metrics import MetricsWriter, format_progress
 from slipstream.parallel.dist import barrier
 from slipstream.rundir import RunDir
@@ -25,6 +27,8 @@ from slipstream.trainer.sft_render import SFTSample, load_samples
 from slipstream.trainer.sft_step import sft_step, validation_loss
 from slipstream.transport.checkpoints import is_checkpoint_step, truncate_step_log
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class SFTData:
@@ -34,6 +38,7 @@ class SFTData:
 
 def run_sft(config: SFTConfig) -> None:
     """Train steps start_step + 1 .. max_steps, then write `weights/step_<max_steps>/`."""
+    setup_logging("sft")
     trainer_config = config.trainer_config()
     check_output_dir(config)
     trainer = setup_trainer(trainer_config)
@@ -64,7 +69,7 @@ def run_sft(config: SFTConfig) -> None:
                 "timing/step_s": time.perf_counter() - t_start,
             }
             if writer is not None:  # before the checkpoint: a committed step always has its record
-                print(format_progress(step, config.max_steps, writer.write(step, metrics)), flush=True)
+                log.info(format_progress(step, config.max_steps, writer.write(step, metrics)))
             maybe_checkpoint_sft(trainer, trainer_config, step, cursor, len(data.train))
         export_model(trainer, trainer_config)
         barrier()
@@ -92,7 +97,7 @@ def build_data(config: SFTConfig, trainer: Trainer) -> SFTData:
     train = load_samples(config.data.train_files, tokenizer, roles, budget)
     val = load_samples(config.data.val_files, tokenizer, roles, budget) if config.data.val_files else []
     if trainer.info.is_main:
-        print(f"[sft] {len(train)} training samples, {len(val)} validation samples", flush=True)
+        log.info(f"{len(train)} training samples, {len(val)} validation samples")
     return SFTData(train=train, val=val)
 
 
@@ -139,6 +144,6 @@ def export_model(trainer: Trainer, trainer_config: TrainerConfig) -> None:
     if lora is not None:  # the merged model above; the adapter alone beside its files
         export_peft_adapter(trainer.model, folder / ADAPTER_DIR, lora, str(trainer.model_dir), trainer.info.is_main)
     if trainer.info.is_main:
-        print(f"[sft] model written to {folder} (usable as model.name)", flush=True)
+        log.info(f"model written to {folder} (usable as model.name)")
         if lora is not None:
-            print(f"[sft] LoRA adapter (PEFT format) written to {folder / ADAPTER_DIR}", flush=True)
+            log.info(f"LoRA adapter (PEFT format) written to {folder / ADAPTER_DIR}")

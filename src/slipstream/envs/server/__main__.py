@@ -4,9 +4,9 @@ orchestrator through `EnvServerProcess`; not a user command)."""
 import argparse
 import asyncio
 import json
-import logging
 
 from slipstream.envs.server.server import serve
+from slipstream.monitor.logs import setup_logging
 
 
 def main() -> None:
@@ -15,7 +15,7 @@ def main() -> None:
     parser.add_argument("--spec", required=True, help='JSON {"name": ..., "args": {...}} of the environment')
     parser.add_argument("--parent-pid", type=int, required=True, help="exit when this process is gone")
     ns = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [env_server] %(message)s")
+    setup_logging("env_server")
     spec = json.loads(ns.spec)
     asyncio.run(serve(spec["name"], spec.get("args") or {}, ns.address, ns.parent_pid))
 
