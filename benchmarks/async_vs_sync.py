@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slipstream.config.orchestrator import OrchestratorConfig
-from slipstream.inference.sim import LatencyModel, SimConfig, sim_logprob
 from slipstream.orchestrator.loop import orchestrate
 from slipstream.transport.rollouts import batch_path, read_batch
 from slipstream.transport.weights import PROBE, READY, weights_dir
 from slipstream.utils.fs import commit_dir
+from slipstream_sim import LatencyModel, SimConfig, sim_logprob
 
 MODEL = "sim"
 PROBE_TOKENS = [5, 17, 42, 99, 3, 250]
@@ -72,7 +72,7 @@ def free_port() -> int:
 def sim_server(config: SimConfig):
     """The simulator in its own process (its own interpreter lock), stopped on exit."""
     port = free_port()
-    argv = [sys.executable, "-m", "slipstream.inference.sim", "--port", str(port)]
+    argv = [sys.executable, "-m", "slipstream_sim", "--port", str(port)]
     for name, value in config.model_dump().items():
         if isinstance(value, bool):
             argv.append(f"--{name.replace('_', '-')}" if value else f"--no-{name.replace('_', '-')}")

@@ -3,7 +3,7 @@ exactly like an uninterrupted run.
 
     python benchmarks/chaos.py --kills 20 --steps 40 --seed 0
 
-CPU only. Inference is the simulated vLLM server (`python -m slipstream.inference.sim`, no model: seeded tokens,
+CPU only. Inference is the simulated vLLM server (`python -m slipstream_sim`, no model: seeded tokens,
 version-dependent log-probs), started by this driver next to a `slipstream rl` that runs the trainer and the
 orchestrator (deployment.run). The run is exact (max_async_level = 0, seeded requests) and checkpoints every step, so
 a resumed run must end with the weights of an uninterrupted one, bit for bit.
@@ -116,7 +116,7 @@ class Inference:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        argv = [sys.executable, "-m", "slipstream.inference.sim", "--port", str(self.port), "--seed", "3"]
+        argv = [sys.executable, "-m", "slipstream_sim", "--port", str(self.port), "--seed", "3"]
         argv += ["--vocab-size", "256", "--model-name", str(self.model_dir), "--default-max-tokens", "12"]
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)

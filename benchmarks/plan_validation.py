@@ -30,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import async_vs_sync as avs  # noqa: E402  # the simulator launch and fake trainer of that benchmark
 
 from slipstream.config.orchestrator import OrchestratorConfig  # noqa: E402
-from slipstream.inference.sim import SimConfig  # noqa: E402
 from slipstream.orchestrator.loop import orchestrate  # noqa: E402
 from slipstream.planner.distributions import TailDist, constant  # noqa: E402
 from slipstream.planner.pipeline_sim import simulate  # noqa: E402
 from slipstream.planner.sim_config import PipelineSimConfig  # noqa: E402
 from slipstream.transport.rollouts import batch_path, read_batch  # noqa: E402
+from slipstream_sim import SimConfig  # noqa: E402
 
 CALIBRATION = {
     "request_cost_s": 0.0035,

@@ -3,7 +3,7 @@ of the run at every step, to show that nothing grows without bound after warm-up
 
     python benchmarks/soak.py --steps 200 --warmup 20 --samples soak.jsonl
 
-The run is started as benchmarks/chaos.py starts one: the simulated vLLM server (`python -m slipstream.inference.sim`,
+The run is started as benchmarks/chaos.py starts one: the simulated vLLM server (`python -m slipstream_sim`,
 no model) next to a `slipstream rl` that runs the trainer and the orchestrator (deployment.run), with the tiny random
 qwen3, asynchronous (max_async_level = 1), filesystem weights and a checkpoint every 10 steps (keep_last = 2), so
 each step exercises rollouts, batch files, weight publishing and loading, and checkpoints now and then.

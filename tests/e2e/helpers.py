@@ -96,9 +96,9 @@ def wait_healthy(server: subprocess.Popen, url: str, log_path) -> None:
 
 @contextlib.contextmanager
 def running_sim(port: int, log_path, *args: str, env: dict | None = None):
-    """The simulated inference server (`python -m slipstream.inference.sim --port PORT ARGS`) for the duration of
+    """The simulated inference server (`python -m slipstream_sim --port PORT ARGS`) for the duration of
     the block, healthy before it starts, logging to `log_path`."""
-    argv = [sys.executable, "-m", "slipstream.inference.sim", "--port", str(port), *args]
+    argv = [sys.executable, "-m", "slipstream_sim", "--port", str(port), *args]
     with open(log_path, "w") as log:
         sim = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

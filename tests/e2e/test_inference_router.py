@@ -17,14 +17,14 @@ import pytest
 from slipstream.config.inference import InferenceConfig
 from slipstream.envs.base import Task
 from slipstream.inference.deployment import router_argv
-from slipstream.inference.sim.app import SimServer
-from slipstream.inference.sim.config import SimConfig
-from slipstream.inference.sim.policy import sim_logprob
-from slipstream.inference.sim.serve import serve_in_thread
 from slipstream.orchestrator.client import InferenceClient
 from slipstream.orchestrator.weights import verify_weights
 from slipstream.rollout.turns import TurnProgress, TurnRequester
 from slipstream.rundir import RunDir
+from slipstream_sim.app import SimServer
+from slipstream_sim.config import SimConfig
+from slipstream_sim.policy import sim_logprob
+from slipstream_sim.serve import serve_in_thread
 
 pytestmark = pytest.mark.skipif(
     shutil.which("vllm-router") is None and not (Path(sys.executable).parent / "vllm-router").exists(),

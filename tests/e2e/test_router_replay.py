@@ -11,8 +11,8 @@ import sys
 import msgspec
 import numpy as np
 
-from slipstream.inference.sim.policy import sim_routing
 from slipstream.transport.rollouts import TrainingBatch
+from slipstream_sim.policy import sim_routing
 from tests.e2e.helpers import free_port, running_sim, write_config
 
 MAX_STEPS = 3

@@ -13,8 +13,6 @@ from pathlib import Path
 
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.envs.base import Task
-from slipstream.inference.sim import SimConfig, SimServer, serve_in_thread, sim_logprob
-from slipstream.inference.sim.policy import plan_completion, request_seed, tokenize_messages
 from slipstream.orchestrator.client import InferenceClient
 from slipstream.orchestrator.concurrency import InFlightLimit
 from slipstream.orchestrator.loop import orchestrate
@@ -26,6 +24,8 @@ from slipstream.rundir import WEIGHT_CHECKS_FILE
 from slipstream.transport.rollouts import batch_path, read_batch
 from slipstream.transport.weights import PROBE, READY, weights_dir
 from slipstream.utils.fs import commit_dir
+from slipstream_sim import SimConfig, SimServer, serve_in_thread, sim_logprob
+from slipstream_sim.policy import plan_completion, request_seed, tokenize_messages
 
 MODEL = "sim-model"
 PROBE_TOKENS = [5, 17, 42, 99]

@@ -18,11 +18,11 @@ from slipstream.eval.metrics import mean_pass_at_k, pass_at_k, reward_summary
 from slipstream.eval.run import resolve_eval_model, run_eval
 from slipstream.eval.server import SEEDED_SAMPLING_ARGS, build_eval_server_argv, wait_until_healthy
 from slipstream.eval.tasks import request_seed
-from slipstream.inference.sim import SimConfig, SimServer, serve_in_thread
 from slipstream.launch.plan import ProcessSpec
 from slipstream.launch.supervisor import Supervisor
 from slipstream.orchestrator.client import InferenceClient
 from slipstream.transport.weights import READY, weights_dir
+from slipstream_sim import SimConfig, SimServer, serve_in_thread
 
 
 @pytest.mark.parametrize(

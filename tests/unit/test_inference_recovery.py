@@ -15,11 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from slipstream.inference.sim import SimConfig, sim_logprob
 from slipstream.orchestrator.client import InferenceClient, InferenceUnavailable
 from slipstream.orchestrator.pipeline import RolloutPipeline
 from slipstream.orchestrator.weights import WeightRelay
 from slipstream.rundir import WEIGHT_CHECKS_FILE
+from slipstream_sim import SimConfig, sim_logprob
 from tests.e2e.helpers import free_port
 from tests.unit.test_async_pipeline import (
     MODEL,
@@ -36,14 +36,14 @@ RECOVERY = {"timeout_s": 30, "backoff_initial_s": 0.05, "backoff_max_s": 0.2}
 
 
 class SimProcess:
-    """`python -m slipstream.inference.sim` on a fixed port; kill() is a SIGKILL, start() a fresh server."""
+    """`python -m slipstream_sim` on a fixed port; kill() is a SIGKILL, start() a fresh server."""
 
     def __init__(self, port: int, log: Path) -> None:
         self.port, self.log, self.proc = port, log, None
         self.url = f"http://127.0.0.1:{port}"
 
     def start(self) -> None:
-        argv = [sys.executable, "-m", "slipstream.inference.sim", "--port", str(self.port)]
+        argv = [sys.executable, "-m", "slipstream_sim", "--port", str(self.port)]
         argv += ["--model-name", MODEL, "--token-latency-s", str(TOKEN_LATENCY_S), "--stop-prob", "0.05"]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)

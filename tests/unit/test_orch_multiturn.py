@@ -22,7 +22,6 @@ from slipstream.envs.calculator import CALCULATE
 from slipstream.envs.multiturn import MultiTurnEnv
 from slipstream.envs.tools import ToolEnv
 from slipstream.inference.server import build_vllm_argv
-from slipstream.inference.sim import SimConfig, SimServer, serve_in_thread, sim_logprob
 from slipstream.orchestrator.batching import build_training_batches
 from slipstream.orchestrator.loop import assign_advantages
 from slipstream.rollout.record import Rollout
@@ -30,6 +29,7 @@ from slipstream.rollout.turns import CONTEXT_LENGTH
 from slipstream.rundir import ONLINE_EVAL_FILE
 from slipstream.trainer.data import expand_trees
 from slipstream.transport.rollouts import batch_path, read_batch
+from slipstream_sim import SimConfig, SimServer, serve_in_thread, sim_logprob
 from tests.unit.test_async_pipeline import MODEL as SIM_MODEL
 from tests.unit.test_async_pipeline import config_for
 from tests.unit.test_orch_loop import MODEL, FakeVLLM, fake_logprob, make_config, run_with_trainer

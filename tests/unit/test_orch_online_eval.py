@@ -12,11 +12,11 @@ import pytest
 
 import slipstream.eval.tasks
 from slipstream.envs.reverse_text import ReverseTextEnv
-from slipstream.inference.sim import SimConfig, SimServer, serve_in_thread, sim_logprob
 from slipstream.orchestrator.loop import orchestrate
 from slipstream.orchestrator.online_eval import OnlineEvaluator, SharedLimiter
 from slipstream.rundir import ONLINE_EVAL_FILE
 from slipstream.transport.rollouts import batch_path, read_batch
+from slipstream_sim import SimConfig, SimServer, serve_in_thread, sim_logprob
 from tests.unit.test_async_pipeline import MODEL, config_for, publish
 
 ENV = {"name": "reverse_text", "args": {"num_tasks": 20, "num_eval_tasks": 6}}

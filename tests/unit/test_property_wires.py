@@ -26,7 +26,6 @@ from starlette.testclient import TestClient
 from slipstream.envs.base import Task
 from slipstream.inference.admin_token import HEADER
 from slipstream.inference.auth import AdminTokenMiddleware, is_open_path
-from slipstream.inference.sim import SimConfig, SimServer
 from slipstream.orchestrator.client import InferenceError, _sse_chunks, parse_prompt_logprobs
 from slipstream.orchestrator.concurrency import parse_server_load
 from slipstream.orchestrator.routing import decode_routed_experts
@@ -42,6 +41,7 @@ from slipstream.transport.weight_offers import ACCEPT, MANIFEST, OFFER, read_acc
 from slipstream.transport.weight_receiver import WeightReceiver
 from slipstream.transport.weight_stream import Manifest, TensorMeta, plan_buckets
 from slipstream.transport.weights import read_probe, weights_dir
+from slipstream_sim import SimConfig, SimServer
 
 # derandomize: CI runs the same examples every time (a failure reproduces); new inputs come from changing the tests
 FAST = settings(

@@ -11,7 +11,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from slipstream.envs.base import Task
-from slipstream.inference.sim import (
+from slipstream.orchestrator.client import InferenceClient
+from slipstream.rollout.replies import parse_chat_response
+from slipstream.rollout.streaming import StreamedChat
+from slipstream_sim import (
     LatencyModel,
     SimConfig,
     SimServer,
@@ -19,10 +22,7 @@ from slipstream.inference.sim import (
     serve_in_thread,
     sim_logprob,
 )
-from slipstream.inference.sim.serve import main as sim_main
-from slipstream.orchestrator.client import InferenceClient
-from slipstream.rollout.replies import parse_chat_response
-from slipstream.rollout.streaming import StreamedChat
+from slipstream_sim.serve import main as sim_main
 
 MESSAGES = [{"role": "user", "content": "reverse: abc"}]
 

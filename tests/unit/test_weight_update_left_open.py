@@ -8,8 +8,8 @@ from pathlib import Path
 
 import httpx
 
-from slipstream.inference.sim import SimConfig, SimServer, serve_in_thread
 from slipstream.orchestrator.client import InferenceClient
+from slipstream_sim import SimConfig, SimServer, serve_in_thread
 
 VLLM_REFUSAL = (
     '{"error": {"message": "start_weight_update called while a weight update is already active. Call '

@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from slipstream.inference.sim.config import SimConfig
-from slipstream.inference.sim.engine import SimEngine, SimRequestError
+from slipstream_sim.config import SimConfig
+from slipstream_sim.engine import SimEngine, SimRequestError
 
 
 class SimWeightTransfer:

@@ -12,8 +12,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from slipstream.inference.sim.engine import Sequence, SimClosedError, SimEngine
-from slipstream.inference.sim.policy import token_text
+from slipstream_sim.engine import Sequence, SimClosedError, SimEngine
+from slipstream_sim.policy import token_text
 
 
 def _sse(payload: dict[str, Any]) -> str:

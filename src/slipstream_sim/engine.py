@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from slipstream.inference.sim.config import LatencyModel, SimConfig
-from slipstream.inference.sim.policy import sim_logprob
+from slipstream_sim.config import LatencyModel, SimConfig
+from slipstream_sim.policy import sim_logprob
 
 PauseMode = Literal["abort", "wait", "keep"]
 

@@ -2,11 +2,11 @@
 weight versions, and chat completions streamed token by token like vLLM's. See app.py for the endpoints.
 """
 
-from slipstream.inference.sim.app import SimServer
-from slipstream.inference.sim.config import LatencyModel, SimConfig, latency_percentiles
-from slipstream.inference.sim.engine import RequestRecord, SimEngine
-from slipstream.inference.sim.policy import sim_logprob
-from slipstream.inference.sim.serve import serve_in_thread
+from slipstream_sim.app import SimServer
+from slipstream_sim.config import LatencyModel, SimConfig, latency_percentiles
+from slipstream_sim.engine import RequestRecord, SimEngine
+from slipstream_sim.policy import sim_logprob
+from slipstream_sim.serve import serve_in_thread
 
 __all__ = [
     "LatencyModel",

@@ -10,9 +10,9 @@ from contextlib import contextmanager
 
 import uvicorn
 
-from slipstream.inference.sim.app import SimServer
-from slipstream.inference.sim.config import SimConfig, latency_percentiles
 from slipstream.launch.watchdog import start_from_env
+from slipstream_sim.app import SimServer
+from slipstream_sim.config import SimConfig, latency_percentiles
 
 
 @contextmanager
@@ -59,7 +59,7 @@ def serve_in_thread(
 def build_parser() -> argparse.ArgumentParser:
     """`--host`, `--port`, `--print-latency`, and one `--field-name` option per SimConfig field."""
     parser = argparse.ArgumentParser(
-        prog="python -m slipstream.inference.sim",
+        prog="python -m slipstream_sim",
         description="OpenAI-compatible inference server without a model, for tests and benchmarks.",
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")

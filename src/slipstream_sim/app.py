@@ -17,9 +17,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from slipstream.inference.instance import InstanceIdMiddleware, new_instance_id
-from slipstream.inference.sim.config import SimConfig
-from slipstream.inference.sim.engine import Sequence, SimClosedError, SimEngine, SimRequestError
-from slipstream.inference.sim.policy import (
+from slipstream_sim.config import SimConfig
+from slipstream_sim.engine import Sequence, SimClosedError, SimEngine, SimRequestError
+from slipstream_sim.policy import (
     plan_completion,
     request_seed,
     sim_logprob,
@@ -28,8 +28,8 @@ from slipstream.inference.sim.policy import (
     tokenize_messages,
     tokenize_text,
 )
-from slipstream.inference.sim.stream import ChatStream
-from slipstream.inference.sim.transfer import SimWeightTransfer
+from slipstream_sim.stream import ChatStream
+from slipstream_sim.transfer import SimWeightTransfer
 
 Handler = Callable[[Request], Awaitable[Response]]
 
