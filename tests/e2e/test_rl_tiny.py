@@ -4,11 +4,15 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.helpers import processes_with_marker, tiny_rl_config, write_config
+from tests.e2e.test_inference_router import _free_port_block
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -24,19 +28,59 @@ def _read_jsonl(path):
 
 
 # llama ties lm_head to embed_tokens (as SmolLM2 does), which vLLM's in-place reload must handle
+class StepScraper(threading.Thread):
+    """Polls the trainer's and the orchestrator's Prometheus endpoints while the run lives; keeps the largest
+    `slipstream_step` each served (parsed with prometheus_client's parser)."""
+
+    def __init__(self, ports: dict[str, int]) -> None:
+        super().__init__(daemon=True)
+        self.ports, self.steps = ports, {}
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.3):
+            for role, port in self.ports.items():
+                try:
+                    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+                except httpx.HTTPError:
+                    continue
+                for family in text_string_to_metric_families(text):
+                    for sample in family.samples:
+                        if sample.name == "slipstream_step":
+                            self.steps[role] = max(self.steps.get(role, 0), sample.value)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_three_steps_with_verified_weight_updates(family, tiny_model_factory, tmp_path, run_env):
     marker, env = run_env
     out = tmp_path / "run"
-    cfg = write_config(tmp_path / "rl.toml", tiny_rl_config(tiny_model_factory(family), out, max_steps=3))
-    proc = subprocess.run(
-        [sys.executable, "-m", "slipstream", "rl", "-c", str(cfg)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=840,
-    )
+    config = tiny_rl_config(tiny_model_factory(family), out, max_steps=3)
+    monitored = family == "qwen3"  # the qwen3 run also feeds wandb (offline) and the Prometheus endpoints
+    if monitored:
+        port = _free_port_block(2)  # trainer on port, orchestrator on port + 1
+        config["monitor"] = {"prometheus_port": port, "wandb": {"mode": "offline", "project": "e2e"}}
+    cfg = write_config(tmp_path / "rl.toml", config)
+    scraper = StepScraper({"trainer": port, "orchestrator": port + 1} if monitored else {})
+    scraper.start()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "slipstream", "rl", "-c", str(cfg)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=840,
+        )
+    finally:
+        scraper.done.set()
+        scraper.join()
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    if monitored:
+        assert scraper.steps.get("trainer", 0) >= 1 and scraper.steps.get("orchestrator", 0) >= 1, scraper.steps
+        # one offline wandb run (nothing sent) holding the trainer's and the orchestrator's metrics of each step
+        runs = sorted((out / "wandb").rglob("offline-run-*"))
+        assert len(runs) == 1, runs
+        data = b"".join(p.read_bytes() for p in runs[0].glob("*.wandb"))
+        assert b"grad_norm" in data and b"reward/mean" in data and b"policy/lag_mean" in data
 
     metrics = _read_jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
