@@ -21,6 +21,9 @@ from slipstream.utils.fs import atomic_write_text
 
 def eval_command(config: EvalConfig) -> int:
     """CLI entry point: run the evaluation, return exit code 0 (errors raise)."""
+    from slipstream.monitor.logs import setup_logging
+
+    setup_logging("eval")  # warnings of the shared rollout code get a timestamp and level, as in the other processes
     run_eval(config)
     return 0
 
