@@ -1,8 +1,8 @@
 """Expert parallelism and context parallelism on CPU ranks (gloo) equal one process: loss and gradients after one
 step (<= 1e-5), weights after five steps (<= 1e-4). ep=2 and fsdp=2 x ep=2 train the MoE model with the tokens'
 all-to-all; cp=2 splits every packed row over two ranks that read one batch file (all-gathered K/V); ep=2 x cp=2
-(with activation checkpointing) does both on the same two ranks. Families: qwen3_moe, qwen3, glm4_moe, glm_moe_dsa
-and qwen3_5_moe_text (EP only)."""
+(with activation checkpointing) does both on the same two ranks. Families: qwen3_moe, qwen3, glm4_moe, glm_moe_dsa,
+qwen3_5_moe_text (EP only) and afmoe."""
 
 import pytest
 import torch
@@ -48,6 +48,12 @@ CASES = {
     "qwen3_5_moe_text-ep2-ac-replay": (
         "qwen3_5_moe_text", 2, 2, ParallelConfig(ep=2, activation_checkpointing=True), "dppo_tv"
     ),
+    # AFMoE / Trinity (sliding windows of 8 tokens with RoPE + a NoPE full layer, gated attention, a shared expert, a
+    # dense first layer): EP, and EP x CP with replay (the sliding layers mask the all-gathered keys by window too).
+    "afmoe-ep2": ("afmoe", 2, 2, ParallelConfig(ep=2), "dppo_tv"),
+    "afmoe-ep2-cp2-ac-replay": ("afmoe", 2, 1, ParallelConfig(ep=2, cp=2, activation_checkpointing=True), "dppo_tv"),
+    # GPT-OSS (sinks, sliding windows of 8 tokens, biased experts): CP only (the family refuses EP), with checkpointing.
+    "gpt_oss-cp2-ac": ("gpt_oss", 2, 1, ParallelConfig(cp=2, activation_checkpointing=True), "dppo_tv"),
 }  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """FSDP2 on 2 CPU ranks (gloo) equals one process: loss and gradients after one step (<= 1e-5), weights after five
-steps (<= 1e-4); for our dense, tied and MoE models (qwen3_moe, glm4_moe, glm_moe_dsa, qwen3_5_moe_text),
-transformers' model, HSDP and activation checkpointing. Rank 0 gets two micro-batches and rank 1 one, so rank 1 also
+steps (<= 1e-4); for our dense, tied and MoE models (qwen3_moe, glm4_moe, glm_moe_dsa, qwen3_5_moe_text, afmoe,
+gpt_oss), transformers' model, HSDP and activation checkpointing. Rank 0 gets two micro-batches and rank 1 one, so rank 1 also
 runs a zero-weight padding pass."""
 
 import pytest
@@ -17,6 +17,8 @@ CASES = {
     "glm4_moe-custom-fsdp": ("glm4_moe", "custom", ParallelConfig()),
     "glm_moe_dsa-custom-fsdp": ("glm_moe_dsa", "custom", ParallelConfig()),
     "qwen3_5_moe_text-custom-fsdp": ("qwen3_5_moe_text", "custom", ParallelConfig()),
+    "afmoe-custom-fsdp": ("afmoe", "custom", ParallelConfig()),
+    "gpt_oss-custom-fsdp": ("gpt_oss", "custom", ParallelConfig()),
     "llama-custom-fsdp-ac": ("llama", "custom", ParallelConfig(activation_checkpointing=True)),
     "qwen3-hf-fsdp": ("qwen3", "hf", ParallelConfig()),
     "qwen3-custom-hsdp": ("qwen3", "custom", ParallelConfig(dp_replicate=2)),

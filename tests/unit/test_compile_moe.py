@@ -48,7 +48,7 @@ def _run(policy, inputs, replay: bool):
     return logprobs_T.detach(), stats, replay_counts, grads
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "minimax_m2", "glm_moe_dsa", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "minimax_m2", "glm_moe_dsa", "qwen3_5_moe_text", "afmoe"])
 def test_checkpointed_moe_blocks_compile_whole_and_match_eager(tiny_model_factory, family):
     """bf16 autocast (compiling the grouped experts needs it) flips a few tokens' expert choice between compiled
     and eager kernels, so outputs and gradients are compared under full router replay (the same experts for every

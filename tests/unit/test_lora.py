@@ -20,7 +20,7 @@ from slipstream.models.common.lora import (
 from slipstream.models.registry import load_pretrained
 from slipstream.trainer.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, export_peft_adapter
 
-FAMILIES = ["llama", "qwen3", "qwen3_moe", "glm4_moe", "minimax_m2"]
+FAMILIES = ["llama", "qwen3", "qwen3_moe", "glm4_moe", "minimax_m2", "afmoe"]
 LORA = LoRAConfig(rank=4, alpha=8.0)
 
 
@@ -102,8 +102,8 @@ def test_merged_weights_are_base_plus_scaled_BA(family, tiny_model_factory):
 
 # transformers 5 fuses MoE experts, and peft 0.21 then maps *every* target named gate_proj / up_proj / down_proj to
 # the fused experts: in GLM-4.5 (dense first layers, shared experts) the dense ones would be dropped, so the peft
-# comparison there adapts attention + routed experts only.
-PEFT_TARGETS = {"glm4_moe": ["q_proj", "k_proj", "v_proj", "o_proj", "experts"]}
+# comparison there adapts attention + routed experts only; so does AFMoE's (also an attention `gate_proj`).
+PEFT_TARGETS = {family: ["q_proj", "k_proj", "v_proj", "o_proj", "experts"] for family in ("glm4_moe", "afmoe")}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

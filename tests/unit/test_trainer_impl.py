@@ -16,7 +16,7 @@ from slipstream.transport.rollouts import MicroBatch, TrainingBatch
 from slipstream.transport.weights import read_probe, weights_dir
 
 CPU = torch.device("cpu")
-FAMILIES = ["llama", "qwen3", "qwen3_moe", "glm4_moe", "minimax_m2", "glm_moe_dsa", "qwen3_5_moe_text"]
+FAMILIES = ["llama", "qwen3", "qwen3_moe", "glm4_moe", "minimax_m2", "glm_moe_dsa", "qwen3_5_moe_text", "afmoe"]
 
 
 def _micro_batch(lengths, seed, vocab_size):
@@ -79,6 +79,7 @@ def test_custom_and_hf_give_the_same_logprobs_loss_and_grads(tiny_model_factory,
     grads_h = {n: grads_h[n] if n in grads_h else torch.zeros_like(p) for n, p in hf.named_parameters()}
     grads_h_ours = spec.from_hf(grads_h, custom.args)  # HF names (and fused expert layout) -> ours
     no_grad = {n for n, _ in custom.named_parameters() if ".indexer." in n}
+    no_grad |= {n for n, _ in custom.named_buffers()} & grads_h_ours.keys()  # afmoe's expert_bias: an HF parameter
     assert grads_h_ours.keys() - no_grad == grads_c.keys() and not any(grads_h_ours[n].any() for n in no_grad)
     for name, grad in grads_c.items():
         torch.testing.assert_close(grad, grads_h_ours[name], rtol=0, atol=1e-5, msg=name)

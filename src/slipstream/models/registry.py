@@ -10,12 +10,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from slipstream.models.afmoe import hf_adapter as afmoe_adapter
+from slipstream.models.afmoe.args import AfmoeArgs
+from slipstream.models.afmoe.model import Afmoe
 from slipstream.models.glm4_moe import hf_adapter as glm4_moe_adapter
 from slipstream.models.glm4_moe.args import Glm4MoeArgs
 from slipstream.models.glm4_moe.model import Glm4Moe
 from slipstream.models.glm_moe_dsa import hf_adapter as glm_moe_dsa_adapter
 from slipstream.models.glm_moe_dsa.args import GlmMoeDsaArgs
 from slipstream.models.glm_moe_dsa.model import GlmMoeDsa
+from slipstream.models.gpt_oss import hf_adapter as gpt_oss_adapter
+from slipstream.models.gpt_oss.args import GptOssArgs
+from slipstream.models.gpt_oss.model import GptOss
 from slipstream.models.llama import hf_adapter as llama_adapter
 from slipstream.models.llama.args import LlamaArgs
 from slipstream.models.llama.model import Llama
@@ -54,9 +60,11 @@ MODEL_SPECS: dict[str, ModelSpec] = {
     "qwen3": ModelSpec(Qwen3Args.from_hf_config, Qwen3, qwen3_adapter.from_hf, qwen3_adapter.to_hf),
     "qwen3_moe": ModelSpec(Qwen3MoeArgs.from_hf_config, Qwen3Moe, qwen3_moe_adapter.from_hf, qwen3_moe_adapter.to_hf),
     "glm4_moe": ModelSpec(Glm4MoeArgs.from_hf_config, Glm4Moe, glm4_moe_adapter.from_hf, glm4_moe_adapter.to_hf),
+    "afmoe": ModelSpec(AfmoeArgs.from_hf_config, Afmoe, afmoe_adapter.from_hf, afmoe_adapter.to_hf),
     "glm_moe_dsa": ModelSpec(
         GlmMoeDsaArgs.from_hf_config, GlmMoeDsa, glm_moe_dsa_adapter.from_hf, glm_moe_dsa_adapter.to_hf
     ),
+    "gpt_oss": ModelSpec(GptOssArgs.from_hf_config, GptOss, gpt_oss_adapter.from_hf, gpt_oss_adapter.to_hf),
     "minimax_m2": ModelSpec(
         MiniMaxM2Args.from_hf_config, MiniMaxM2, minimax_m2_adapter.from_hf, minimax_m2_adapter.to_hf
     ),

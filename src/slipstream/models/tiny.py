@@ -1,5 +1,5 @@
-"""Tiny random models (llama, qwen3, qwen3_moe, glm4_moe, minimax_m2, glm_moe_dsa, qwen3_5_moe_text) with a locally
-trained byte-level BPE tokenizer, for tests.
+"""Tiny random models (llama, qwen3, qwen3_moe, glm4_moe, minimax_m2, glm_moe_dsa, qwen3_5_moe_text, afmoe, gpt_oss)
+with a locally trained byte-level BPE tokenizer, for tests.
 
 Built in a few seconds, deterministic for a seed, saved as float32 safetensors that transformers and vLLM (CPU) load.
 """
@@ -13,7 +13,9 @@ from pathlib import Path
 from slipstream.models.hub import check_replaceable, finalize_model_dir
 from slipstream.utils.fs import commit_dir
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "glm4_moe", "minimax_m2", "glm_moe_dsa", "qwen3_5_moe_text")
+FAMILIES = (
+    "llama", "qwen3", "qwen3_moe", "glm4_moe", "minimax_m2", "glm_moe_dsa", "qwen3_5_moe_text", "afmoe", "gpt_oss"
+)  # fmt: skip
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]  # ids 0, 1, 2
 MAX_POSITIONS = 2048
@@ -102,10 +104,16 @@ def build_config(family: str, vocab_size: int, eos_token_id: int, pad_token_id: 
     with Qwen3.5's hybrid layout: a Gated DeltaNet layer (2 key heads, 4 value heads of 32 dims, conv of 4 taps) then a
     gated full-attention layer (partial RoPE: 16 of 64 dims), each with an MoE of 8 experts (top 2) + a gated shared
     expert.
+    afmoe has Trinity's features: 3 layers (a dense one, then 2 MoE layers), two sliding-window layers (8 tokens, with
+    RoPE) then a full-attention one (no RoPE), gated attention, sandwich norms, a shared expert, route_scale 2.5.
+    gpt_oss has GPT-OSS's: a sliding-window layer (8 tokens) then a full one, attention sinks, q/k/v/o biases, YaRN
+    RoPE, biased experts of width 64 with the clamped SwiGLU, a biased router.
     """
     from transformers import (
+        AfmoeConfig,
         Glm4MoeConfig,
         GlmMoeDsaConfig,
+        GptOssConfig,
         LlamaConfig,
         MiniMaxM2Config,
         Qwen3_5MoeTextConfig,
@@ -164,6 +172,17 @@ def build_config(family: str, vocab_size: int, eos_token_id: int, pad_token_id: 
         return Qwen3_5MoeTextConfig(
             **common, **moe, **linear, layer_types=["linear_attention", "full_attention"], tie_word_embeddings=False
         )
+    if family == "afmoe":
+        common["num_hidden_layers"] = 3
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, num_shared_experts=1)
+        return AfmoeConfig(
+            **common, **moe, num_dense_layers=1, route_scale=2.5, sliding_window=8, tie_word_embeddings=False,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        )  # fmt: skip
+    if family == "gpt_oss":
+        common["intermediate_size"] = 64  # GPT-OSS's intermediate_size is the experts' width
+        moe = dict(num_local_experts=8, num_experts_per_tok=2)
+        return GptOssConfig(**common, **moe, sliding_window=8, tie_word_embeddings=False)
     raise ValueError(f"unknown tiny model family '{family}' (known: {', '.join(FAMILIES)})")
 
 
@@ -197,6 +216,11 @@ def build_tiny_model(family: str, out_dir: Path, seed: int = 0, vocab_size: int 
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buffer.normal_(0.0, 0.05)
+    if family == "afmoe":  # transformers inits its router and selection bias at 0 (every score 0.5): make them matter
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("router.gate.weight", "mlp.expert_bias")):
+                    param.normal_(0.0, 0.1)
     model.generation_config = GenerationConfig(
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )

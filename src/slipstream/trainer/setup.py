@@ -185,8 +185,8 @@ def check_parallel_fits_model(dims: ParallelDims, model: nn.Module, impl: str) -
         return
     if not getattr(model, "supports_expert_parallel", True):
         raise ValueError(
-            f"trainer.parallel.ep = {dims.ep}: {type(model).__name__} is not supported with expert parallelism (its "
-            "experts carry biases that the EP path does not shard); set ep = 1"
+            f"trainer.parallel.ep = {dims.ep}: {type(model).__name__} is not supported with expert parallelism (the "
+            "family runs without it, as the model table says; no EP parity test covers it); set ep = 1"
         )
     experts = find_grouped_experts(model) if impl == "custom" else []
     if not experts:

@@ -14,12 +14,14 @@ from torch import Tensor, nn
 
 
 class TopKRouter(nn.Module):
-    """Softmax over float32 logits, top-A experts per token; optionally renormalise the A weights to sum to 1."""
+    """Softmax over float32 logits, top-A experts per token; optionally renormalise the A weights to sum to 1.
+    `bias` adds a learned per-expert logit bias (GPT-OSS)."""
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool, bias: bool = False):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
         self.replay_counts: Tensor | None = None
         """(replayed tokens, of those the ones whose own top-A set was inference's) of the last replayed forward."""
 
@@ -34,7 +36,8 @@ class TopKRouter(nn.Module):
         gate weights, is not returned by vLLM and would cut the router's gradient.)"""
         # Router logits stay float32 even under autocast: bf16 logits flip top-k choices (train/inference mismatch).
         with torch.autocast(x_ND.device.type, enabled=False):
-            logits_NE = F.linear(x_ND.float(), self.weight.float())
+            bias_E = None if self.bias is None else self.bias.float()
+            logits_NE = F.linear(x_ND.float(), self.weight.float(), bias_E)
         probs_NE = logits_NE.softmax(dim=-1)
         weights_NA, expert_ids_NA = probs_NE.topk(self.top_k, dim=-1)
         if replay_NA is not None:
