@@ -118,16 +118,6 @@ def test_unsupported_layer_types_are_rejected():
         GptOssArgs.from_hf_config(cfg)
 
 
-@pytest.mark.slow
-def test_checkpointed_blocks_compile_whole_and_match_eager(tiny_model_factory):
-    """test_compile_moe.py's check (activation checkpointing + torch.compile, packed rows: no graph break, eager's
-    statistics, log-probs and gradients) on the tiny gpt_oss model; here, marked slow, rather than in that file's list:
-    72 s with a cold inductor cache on the 2-core CPU (14 s warm), over that file's budget."""
-    from tests.unit import test_compile_moe
-
-    test_compile_moe.test_checkpointed_moe_blocks_compile_whole_and_match_eager(tiny_model_factory, "gpt_oss")
-
-
 def test_context_parallel_shards_match_the_whole_rows(case):
     """Two context-parallel shards of packed rows, simulated in one process (shard 0's queries never see shard 1's
     keys, so zeros stand in for them; shard 1 gets shard 0's real keys and values), give the whole rows' hidden
