@@ -123,9 +123,10 @@ def run_inference(config: InferenceConfig) -> int:
 
     setup_logging("inference")
     if not os.environ.get(TOKEN_ENV):
-        log.error(
-            f"set {TOKEN_ENV} to a secret before starting inference (the orchestrator needs the same value); "
-            "it guards the weight-loading and pause endpoints. `slipstream rl` sets it for you."
+        print(  # a refusal to start: on stderr, where a command's errors go
+            f"error: set {TOKEN_ENV} to a secret before starting inference (the orchestrator needs the same value); "
+            "it guards the weight-loading and pause endpoints. `slipstream rl` sets it for you.",
+            file=sys.stderr,
         )
         return 2
     model_path = resolve_model_config(config.model)
