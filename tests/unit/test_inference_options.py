@@ -55,6 +55,10 @@ REJECTED = {
     ),
     "EPLB on CPU": ({**EP, "enable_eplb": True, "device": "cpu"}, r"inference.enable_eplb needs vLLM's GPU build"),
     "DeepGEMM on CPU": ({"deep_gemm": True, "device": "cpu"}, r"inference.deep_gemm needs vLLM's GPU build"),
+    "native KV offload on CPU": (
+        {"kv_cache_offload": {"cpu_gib": 1}, "device": "cpu"},
+        r"inference.kv_cache_offload needs vLLM's GPU build",
+    ),
     "extra_args repeating a typed flag": (
         {"extra_args": ["--all2all-backend=naive"]},
         r"use inference.all2all_backend",

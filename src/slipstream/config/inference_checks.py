@@ -78,6 +78,9 @@ def _check_gpu_only(config: "InferenceConfig") -> None:
             ("enable_dbo", config.enable_dbo),
             ("deep_gemm", config.deep_gemm is True),
             ("all2all_backend", config.all2all_backend not in (None, "allgather_reducescatter")),
+            # vLLM 0.32's CPU build refuses it at engine start ("CPU Offloading is currently only supported on
+            # CUDA-alike and XPU GPUs", tried here): refuse it before the run starts
+            ("kv_cache_offload", config.kv_cache_offload is not None and config.kv_cache_offload.backend == "native"),
         )
         if on
     ]
