@@ -9,6 +9,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from slipstream.config.base import ConfigError
@@ -39,15 +40,19 @@ def _raise_stop(signum: int, frame: object) -> None:
 def run_rl(config: RLConfig) -> int:
     """Run the whole RL job holding the run directory's lock; return the exit code (0 = all steps done, 2 = the
     directory is in use or the config cannot run)."""
-    run = RunDir(config.output_dir)
+    return run_locked(RunDir(config.output_dir), lambda run: _run_locked(config, run), _say)
+
+
+def run_locked(run: RunDir, body: Callable[[RunDir], int], say: Callable[..., None]) -> int:
+    """`body(run)` holding `run`'s lock (created if missing); 2, said on stderr, if another run holds it."""
     run.root.mkdir(parents=True, exist_ok=True)
     try:
         lock = claim_run_dir(run)
     except RunLockedError as e:
-        _say(f"error: {e}", err=True)
+        say(f"error: {e}", err=True)
         return 2
     try:
-        return _run_locked(config, run)
+        return body(run)
     finally:
         lock.release()
 

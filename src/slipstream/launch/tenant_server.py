@@ -7,10 +7,10 @@ import sys
 import time
 
 from slipstream.config.tenants import TenantServerConfig
-from slipstream.launch.local import claim_run_dir, wait_healthy, write_admin_token
+from slipstream.launch.local import run_locked, wait_healthy, write_admin_token
 from slipstream.launch.plan import ProcessSpec
 from slipstream.launch.supervisor import ChildFailed, Supervisor, first_error, tail
-from slipstream.rundir import RunDir, RunLockedError, launcher_env
+from slipstream.rundir import RunDir, launcher_env
 
 TRAINER = "tenant-trainer"
 
@@ -25,17 +25,7 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 def run_tenant_server(config: TenantServerConfig) -> int:
     """Serve until SIGINT/SIGTERM (exit 0) or until a process dies (exit 1); 2 if the folder is in use."""
-    run = RunDir(config.tenants_dir)
-    run.root.mkdir(parents=True, exist_ok=True)
-    try:
-        lock = claim_run_dir(run)
-    except RunLockedError as e:
-        _say(f"error: {e}", err=True)
-        return 2
-    try:
-        return _serve(config, run)
-    finally:
-        lock.release()
+    return run_locked(RunDir(config.tenants_dir), lambda run: _serve(config, run), _say)
 
 
 def build_specs(config: TenantServerConfig, run: RunDir) -> list[ProcessSpec]:
