@@ -42,9 +42,10 @@ class StepScraper(threading.Thread):
             for role, port in self.ports.items():
                 try:
                     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
-                except httpx.HTTPError:
+                    families = list(text_string_to_metric_families(text))
+                except (httpx.HTTPError, ValueError):  # not up yet, closing, or cut short as the process exits
                     continue
-                for family in text_string_to_metric_families(text):
+                for family in families:
                     for sample in family.samples:
                         if sample.name == "slipstream_step":
                             self.steps[role] = max(self.steps.get(role, 0), sample.value)
@@ -59,6 +60,10 @@ def test_three_steps_with_verified_weight_updates(family, tiny_model_factory, tm
     if monitored:
         port = _free_port_block(2)  # trainer on port, orchestrator on port + 1
         config["monitor"] = {"prometheus_port": port, "wandb": {"mode": "offline", "project": "e2e"}}
+        # On-policy: after each step the trainer waits while inference loads its weights and generates the next
+        # batch, so its endpoint serves a step for seconds. With max_async_level = 1 the next batches can be
+        # ready already and the trainer can run steps 1-3 and exit between two polls (seen in CI).
+        config["orchestrator"]["max_async_level"] = 0
     cfg = write_config(tmp_path / "rl.toml", config)
     scraper = StepScraper({"trainer": port, "orchestrator": port + 1} if monitored else {})
     scraper.start()
