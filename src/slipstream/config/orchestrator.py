@@ -50,9 +50,10 @@ class EnvConfig(BaseConfig):
     """Which environment produces tasks and rewards."""
 
     name: str = "reverse_text"
-    """A built-in environment (reverse_text, alphabet_sort, wordle, calculator, swe_fix, verifiers), a name an
-    installed package registers under the `slipstream.environments` entry points (`slipstream env init NAME`
-    writes one), or an import path `package.module:load_environment` (see docs/environments.md)."""
+    """A built-in environment (reverse_text, alphabet_sort, wordle, calculator, swe_fix, count_shapes: images, for
+    vision-language models, verifiers), a name an installed package registers under the `slipstream.environments`
+    entry points (`slipstream env init NAME` writes one), or an import path `package.module:load_environment`
+    (see docs/environments.md)."""
 
     args: dict[str, Any] = {}
     """Keyword arguments for the environment's loader or constructor (e.g. `num_tasks`, `min_words`)."""

@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from slipstream.config.base import BaseConfig
+from slipstream.config.vlm import VLMConfig, check_vlm_dtype, check_vlm_lora, check_vlm_model_type, model_type_of
 
 LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts")
 """Attention and MLP projections of every family (their Hugging Face names) and the stacked MoE experts."""
@@ -71,6 +72,20 @@ class ModelConfig(BaseConfig):
     lora: LoRAConfig | None = None
     """`[model.lora]`: train low-rank adapters on the frozen model instead of all its weights; None: full
     fine-tuning."""
+
+    vlm: VLMConfig | None = None
+    """`[model.vlm]`: the model is a vision-language model (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE) whose
+    prompts may hold images; needs dtype "bfloat16". None: a text model (a VLM checkpoint then trains as text only)."""
+
+    @model_validator(mode="after")
+    def _check_vlm(self) -> "ModelConfig":
+        if self.vlm is None:
+            return self
+        check_vlm_dtype(self.dtype, defaulted="dtype" not in self.model_fields_set)
+        check_vlm_lora(self.vlm, has_lora=self.lora is not None)
+        if self.path is not None:
+            check_vlm_model_type(model_type_of(self.path), self.name)
+        return self
 
     @model_validator(mode="after")
     def _check_revision(self) -> "ModelConfig":

@@ -273,3 +273,13 @@ class TrainerConfig(BaseConfig):
                 "Slipstream's own models); set model_impl = 'custom' or fp8 = false"
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_vlm_trainable(self) -> "TrainerConfig":
+        if self.model.vlm is not None:
+            raise ValueError(
+                "[model.vlm]: training vision-language models is not available yet: rollouts do not carry images "
+                "(pixel values, grid sizes) to the trainer so far (issue #16, item 4); remove [model.vlm] to train "
+                "the checkpoint's language model on text prompts"
+            )
+        return self

@@ -12,6 +12,7 @@ from typing import Any
 from slipstream.envs.alphabet_sort import AlphabetSortEnv
 from slipstream.envs.base import AnyEnvironment
 from slipstream.envs.calculator import CalculatorEnv
+from slipstream.envs.count_shapes import CountShapesEnv
 from slipstream.envs.reverse_text import ReverseTextEnv
 from slipstream.envs.swe_fix import SweFixEnv
 from slipstream.envs.wordle import WordleEnv
@@ -32,6 +33,7 @@ _REGISTRY: dict[str, EnvFactory] = {
     "wordle": WordleEnv,
     "calculator": CalculatorEnv,
     "swe_fix": SweFixEnv,
+    "count_shapes": CountShapesEnv,
     "verifiers": _verifiers_env,
 }
 

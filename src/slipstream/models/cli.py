@@ -4,6 +4,7 @@ import argparse
 from pathlib import Path
 
 from slipstream.models.tiny import FAMILIES
+from slipstream.models.tiny_vlm import VLM_FAMILY
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     imp.add_argument("--force", action="store_true", help="re-import even if the folder exists")
     tiny = sub.add_parser("tiny", help="build a tiny random model with a locally trained tokenizer (for tests)")
-    tiny.add_argument("--family", choices=FAMILIES, required=True)
+    tiny.add_argument("--family", choices=(*FAMILIES, VLM_FAMILY), required=True)
     tiny.add_argument("--out", type=Path, required=True, help="output folder")
     tiny.add_argument("--seed", type=int, default=0)
     return parser
@@ -36,6 +37,11 @@ def main(argv: list[str]) -> int:
             print(f"error: {e}")
             return 2
         print(path)
+        return 0
+    if args.family == VLM_FAMILY:
+        from slipstream.models.tiny_vlm import build_tiny_vlm
+
+        print(build_tiny_vlm(args.out, seed=args.seed))
         return 0
     from slipstream.models.tiny import build_tiny_model
 
