@@ -52,8 +52,17 @@ CASES = {
     # dense first layer): EP, and EP x CP with replay (the sliding layers mask the all-gathered keys by window too).
     "afmoe-ep2": ("afmoe", 2, 2, ParallelConfig(ep=2), "dppo_tv"),
     "afmoe-ep2-cp2-ac-replay": ("afmoe", 2, 1, ParallelConfig(ep=2, cp=2, activation_checkpointing=True), "dppo_tv"),
+    # Nemotron-H (Mamba2 + NoPE attention + squared-ReLU MLP / MoE with a shared expert): EP only, with replay and
+    # checkpointing (its Mamba2 layers refuse context parallelism: models/nemotron_h/model.py).
+    "nemotron_h-ep2-ac-replay": ("nemotron_h", 2, 2, ParallelConfig(ep=2, activation_checkpointing=True), "dppo_tv"),
     # GPT-OSS (sinks, sliding windows of 8 tokens, biased experts): CP only (the family refuses EP), with checkpointing.
     "gpt_oss-cp2-ac": ("gpt_oss", 2, 1, ParallelConfig(cp=2, activation_checkpointing=True), "dppo_tv"),
+    # Laguna (sliding windows of 8 tokens with their own RoPE, partial RoPE on the full layer, per-layer head counts,
+    # softplus output gates, softcapped sigmoid routing, a shared expert, a dense first layer): EP, CP, and EP x CP
+    # with replay and checkpointing (the sliding layers mask the all-gathered keys by window).
+    "laguna-ep2": ("laguna", 2, 2, ParallelConfig(ep=2), "dppo_tv"),
+    "laguna-cp2": ("laguna", 2, 1, ParallelConfig(cp=2), "dppo_tv"),
+    "laguna-ep2-cp2-ac-replay": ("laguna", 2, 1, ParallelConfig(ep=2, cp=2, activation_checkpointing=True), "dppo_tv"),
 }  # fmt: skip
 
 

@@ -55,7 +55,18 @@ region, without generating kernels: 3-10 s per family instead of 15-135 s (cold 
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen3_moe", "glm4_moe", "minimax_m2", "glm_moe_dsa", "qwen3_5_moe_text", "afmoe", "gpt_oss"]
+    "family",
+    [
+        "qwen3_moe",
+        "glm4_moe",
+        "minimax_m2",
+        "glm_moe_dsa",
+        "qwen3_5_moe_text",
+        "afmoe",
+        "gpt_oss",
+        "laguna",
+        "nemotron_h",
+    ],
 )
 def test_checkpointed_moe_blocks_compile_whole_and_match_eager(tiny_model_factory, family, monkeypatch):
     """bf16 autocast (compiling the grouped experts needs it) flips a few tokens' expert choice between compiled

@@ -237,7 +237,10 @@ def test_registry_unregistered_type_and_bad_impl():
     config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
     assert isinstance(build_model(config, "auto"), GPT2LMHeadModel)
     assert isinstance(build_model(config, "hf"), GPT2LMHeadModel)
-    supported = "afmoe, glm4_moe, glm_moe_dsa, gpt_oss, llama, minimax_m2, qwen3, qwen3_5_moe_text, qwen3_moe"
+    supported = (
+        "afmoe, glm4_moe, glm_moe_dsa, gpt_oss, laguna, llama, minimax_m2, "
+        "nemotron_h, qwen3, qwen3_5_moe_text, qwen3_moe"
+    )
     with pytest.raises(ValueError, match=rf"model_type 'gpt2' \(supported: {supported}\)"):
         build_model(config, "custom")
     with pytest.raises(ValueError, match="unknown model impl 'fast'"):

@@ -20,7 +20,7 @@ from slipstream.models.common.lora import (
 from slipstream.models.registry import load_pretrained
 from slipstream.trainer.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, export_peft_adapter
 
-FAMILIES = ["llama", "qwen3", "qwen3_moe", "glm4_moe", "minimax_m2", "afmoe"]
+FAMILIES = ["llama", "qwen3", "qwen3_moe", "glm4_moe", "minimax_m2", "afmoe", "laguna"]
 LORA = LoRAConfig(rank=4, alpha=8.0)
 
 
@@ -106,7 +106,9 @@ def test_merged_weights_are_base_plus_scaled_BA(family, tiny_model_factory):
 PEFT_TARGETS = {family: ["q_proj", "k_proj", "v_proj", "o_proj", "experts"] for family in ("glm4_moe", "afmoe")}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# peft 0.21 adapts transformers' fused experts only for model types in transformers' `_MODEL_TO_CONVERSION_PATTERN`;
+# laguna has a mapping of its own, so peft would leave its experts unadapted: not compared here.
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "laguna"])
 def test_peft_export_loads_in_peft_with_the_same_logits(family, tiny_model_factory, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -16,7 +16,8 @@ from slipstream.transport.rollouts import MicroBatch, TrainingBatch
 from slipstream.transport.weights import read_probe, weights_dir
 
 CPU = torch.device("cpu")
-FAMILIES = ["llama", "qwen3", "qwen3_moe", "glm4_moe", "minimax_m2", "glm_moe_dsa", "qwen3_5_moe_text", "afmoe"]
+FAMILIES = ["llama", "qwen3", "qwen3_moe", "glm4_moe", "minimax_m2", "glm_moe_dsa", "qwen3_5_moe_text", "afmoe",
+            "nemotron_h", "laguna"]  # fmt: skip
 
 
 def _micro_batch(lengths, seed, vocab_size):

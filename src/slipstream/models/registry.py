@@ -22,12 +22,18 @@ from slipstream.models.glm_moe_dsa.model import GlmMoeDsa
 from slipstream.models.gpt_oss import hf_adapter as gpt_oss_adapter
 from slipstream.models.gpt_oss.args import GptOssArgs
 from slipstream.models.gpt_oss.model import GptOss
+from slipstream.models.laguna import hf_adapter as laguna_adapter
+from slipstream.models.laguna.args import LagunaArgs
+from slipstream.models.laguna.model import Laguna
 from slipstream.models.llama import hf_adapter as llama_adapter
 from slipstream.models.llama.args import LlamaArgs
 from slipstream.models.llama.model import Llama
 from slipstream.models.minimax_m2 import hf_adapter as minimax_m2_adapter
 from slipstream.models.minimax_m2.args import MiniMaxM2Args
 from slipstream.models.minimax_m2.model import MiniMaxM2
+from slipstream.models.nemotron_h import hf_adapter as nemotron_h_adapter
+from slipstream.models.nemotron_h.args import NemotronHArgs
+from slipstream.models.nemotron_h.model import NemotronH
 from slipstream.models.qwen3 import hf_adapter as qwen3_adapter
 from slipstream.models.qwen3.args import Qwen3Args
 from slipstream.models.qwen3.model import Qwen3
@@ -65,12 +71,16 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         GlmMoeDsaArgs.from_hf_config, GlmMoeDsa, glm_moe_dsa_adapter.from_hf, glm_moe_dsa_adapter.to_hf
     ),
     "gpt_oss": ModelSpec(GptOssArgs.from_hf_config, GptOss, gpt_oss_adapter.from_hf, gpt_oss_adapter.to_hf),
+    "laguna": ModelSpec(LagunaArgs.from_hf_config, Laguna, laguna_adapter.from_hf, laguna_adapter.to_hf),
     "minimax_m2": ModelSpec(
         MiniMaxM2Args.from_hf_config, MiniMaxM2, minimax_m2_adapter.from_hf, minimax_m2_adapter.to_hf
     ),
     # Text-only Qwen3.5-MoE; `qwen3_5_moe` (the checkpoints' type) wraps it with a vision encoder: transformers runs it.
     "qwen3_5_moe_text": ModelSpec(
         Qwen35MoeArgs.from_hf_config, Qwen35Moe, qwen3_5_moe_adapter.from_hf, qwen3_5_moe_adapter.to_hf
+    ),
+    "nemotron_h": ModelSpec(
+        NemotronHArgs.from_hf_config, NemotronH, nemotron_h_adapter.from_hf, nemotron_h_adapter.to_hf
     ),
 }
 

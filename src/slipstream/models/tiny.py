@@ -1,5 +1,5 @@
-"""Tiny random models (llama, qwen3, qwen3_moe, glm4_moe, minimax_m2, glm_moe_dsa, qwen3_5_moe_text, afmoe, gpt_oss)
-with a locally trained byte-level BPE tokenizer, for tests.
+"""Tiny random models (every family of FAMILIES: llama, qwen3, the MoE families, nemotron_h's hybrid) with a locally
+trained byte-level BPE tokenizer, for tests.
 
 Built in a few seconds, deterministic for a seed, saved as float32 safetensors that transformers and vLLM (CPU) load.
 """
@@ -14,7 +14,8 @@ from slipstream.models.hub import check_replaceable, finalize_model_dir
 from slipstream.utils.fs import commit_dir
 
 FAMILIES = (
-    "llama", "qwen3", "qwen3_moe", "glm4_moe", "minimax_m2", "glm_moe_dsa", "qwen3_5_moe_text", "afmoe", "gpt_oss"
+    "llama", "qwen3", "qwen3_moe", "glm4_moe", "minimax_m2", "glm_moe_dsa", "qwen3_5_moe_text", "afmoe", "gpt_oss",
+    "nemotron_h", "laguna",
 )  # fmt: skip
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]  # ids 0, 1, 2
@@ -183,7 +184,41 @@ def build_config(family: str, vocab_size: int, eos_token_id: int, pad_token_id: 
         common["intermediate_size"] = 64  # GPT-OSS's intermediate_size is the experts' width
         moe = dict(num_local_experts=8, num_experts_per_tok=2)
         return GptOssConfig(**common, **moe, sliding_window=8, tie_word_embeddings=False)
+    if family == "nemotron_h":
+        return _nemotron_h_config(common)
+    if family == "laguna":
+        return _laguna_config(common)
     raise ValueError(f"unknown tiny model family '{family}' (known: {', '.join(FAMILIES)})")
+
+
+def _nemotron_h_config(common: dict):
+    """Nemotron-H's hybrid pattern in 5 layers: Mamba2 (8 heads of 16 dims, 2 groups, state 16, conv of 4 taps, SSD
+    chunks of 16 tokens), an MoE (8 squared-ReLU experts top 2, sigmoid routing, a shared expert), NoPE attention, a
+    squared-ReLU MLP, a second MoE (2 MoE layers, as the other MoE tiny models: the distributed tests' replay)."""
+    from transformers import NemotronHConfig
+
+    fields = {k: v for k, v in common.items() if k not in ("num_hidden_layers", "rms_norm_eps")}
+    return NemotronHConfig(
+        **fields, layer_norm_epsilon=1e-6, layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "moe"],
+        mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, moe_shared_expert_intermediate_size=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def _laguna_config(common: dict):
+    """Laguna's features in 3 layers: sliding (8 tokens, RoPE theta 10k) / full (partial RoPE: 32 of 64 dims, theta
+    500k) / sliding attention with 4 / 8 / 4 query heads, softplus output gates per head, q/k norms; a dense first
+    layer, then MoEs of 8 experts (top 2, sigmoid routing with a selection bias, logits softcapped at 5, scaling 2.5)
+    plus a shared expert."""
+    from transformers import LagunaConfig
+
+    return LagunaConfig(
+        **{**common, "num_hidden_layers": 3}, num_attention_heads_per_layer=[4, 8, 4], sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64, moe_routed_scaling_factor=2.5,
+        moe_router_logit_softcapping=5.0, tie_word_embeddings=False,
+    )  # fmt: skip
 
 
 def _add_hub_style_num_experts(config_path: Path) -> None:
@@ -211,11 +246,16 @@ def build_tiny_model(family: str, out_dir: Path, seed: int = 0, vocab_size: int 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # transformers inits the selection-only router bias at 0: make it matter in tests
-    if family in ("glm4_moe", "minimax_m2", "glm_moe_dsa"):
+    if family in ("glm4_moe", "minimax_m2", "glm_moe_dsa", "nemotron_h"):
         with torch.no_grad():
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buffer.normal_(0.0, 0.05)
+    if family == "laguna":  # its selection bias is a parameter, 0 at init: make it matter
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("e_score_correction_bias"):
+                    param.normal_(0.0, 0.05)
     if family == "afmoe":  # transformers inits its router and selection bias at 0 (every score 0.5): make them matter
         with torch.no_grad():
             for name, param in model.named_parameters():

@@ -4,8 +4,7 @@ modelled)."""
 from dataclasses import dataclass
 from typing import Any
 
-from slipstream.models.common.args import TransformerArgs
-from slipstream.models.common.rope import rope_args_from_hf
+from slipstream.models.common.args import TransformerArgs, transformer_fields_from_hf
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -47,23 +46,9 @@ class AfmoeArgs(TransformerArgs):
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> "AfmoeArgs":
-        _check_afmoe_supported(cfg)
+        fields = transformer_fields_from_hf(cfg, qk_norm=True, family="afmoe", layer_types=LAYER_TYPES, mlp_bias=False)
         return cls(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=cfg.num_attention_heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-            rms_norm_eps=cfg.rms_norm_eps,
-            rope=rope_args_from_hf(cfg),
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(cfg, "attention_bias", False)),
-            mlp_bias=False,
-            qk_norm=True,
-            pad_token_id=getattr(cfg, "pad_token_id", None),
-            initializer_range=getattr(cfg, "initializer_range", 0.02),
+            **fields,
             num_experts=cfg.num_experts,
             num_experts_per_tok=cfg.num_experts_per_tok,
             moe_intermediate_size=cfg.moe_intermediate_size,
@@ -74,16 +59,3 @@ class AfmoeArgs(TransformerArgs):
             sliding_window=int(cfg.sliding_window or 0),
             mup_enabled=bool(getattr(cfg, "mup_enabled", False)),
         )
-
-
-def _check_afmoe_supported(cfg: Any) -> None:
-    """Reject AFMoE config features that our model does not compute as transformers does."""
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        raise ValueError(f"afmoe: hidden_act '{cfg.hidden_act}' is not supported (silu only); use impl='hf'")
-    layer_types = list(cfg.layer_types or [])
-    if len(layer_types) != cfg.num_hidden_layers or any(t not in LAYER_TYPES for t in layer_types):
-        raise ValueError(
-            f"afmoe: layer_types {layer_types} must give one of {LAYER_TYPES} per layer ({cfg.num_hidden_layers})"
-        )
-    if "sliding_attention" in layer_types and not (cfg.sliding_window or 0) > 0:
-        raise ValueError(f"afmoe: sliding layers need sliding_window > 0, got {cfg.sliding_window}")

@@ -74,11 +74,14 @@ class GroupLimitedSigmoidRouter(TopKRouter):
                 choice_NE = choice_NQP.masked_fill(~keep_NQ[..., None], float("-inf")).view(N, E)
             return choice_NE.topk(self.top_k, dim=-1, sorted=False).indices
 
+    def logits(self, x_ND: Tensor) -> Tensor:
+        """logits_NE in float32, as TopKRouter's (a subclass may reshape them: Laguna's softcap)."""
+        with torch.autocast(x_ND.device.type, enabled=False):
+            return F.linear(x_ND.float(), self.weight.float())
+
     def forward(self, x_ND: Tensor, replay_NA: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """(probs_NE float32 (normalised sigmoid scores, for statistics), expert_ids_NA, weights_NA float32)."""
-        with torch.autocast(x_ND.device.type, enabled=False):  # float32 logits, as TopKRouter
-            logits_NE = F.linear(x_ND.float(), self.weight.float())
-        scores_NE = logits_NE.sigmoid()
+        scores_NE = self.logits(x_ND).sigmoid()
         expert_ids_NA = self.select(scores_NE)
         if replay_NA is not None:
             expert_ids_NA = replay_selection(self, expert_ids_NA, replay_NA)

@@ -3,8 +3,7 @@
 from dataclasses import dataclass
 from typing import Any
 
-from slipstream.models.common.args import TransformerArgs
-from slipstream.models.common.rope import rope_args_from_hf
+from slipstream.models.common.args import TransformerArgs, transformer_fields_from_hf
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -40,36 +39,22 @@ class GptOssArgs(TransformerArgs):
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> "GptOssArgs":
-        layer_types = tuple(cfg.layer_types)
-        if len(layer_types) != cfg.num_hidden_layers or any(t not in LAYER_TYPES for t in layer_types):
-            raise ValueError(
-                f"gpt_oss: layer_types {list(layer_types)} must give one of {LAYER_TYPES} per layer "
-                f"({cfg.num_hidden_layers} layers)"
-            )
-        if "sliding_attention" in layer_types and not cfg.sliding_window:
-            raise ValueError("gpt_oss: sliding_attention layers need a sliding_window > 0 in the config")
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return cls(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=cfg.num_attention_heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-            head_dim=head_dim,
-            rms_norm_eps=cfg.rms_norm_eps,
-            rope=rope_args_from_hf(cfg, allow_yarn=True),
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(cfg, "attention_bias", True)),
-            mlp_bias=False,
+        fields = transformer_fields_from_hf(
+            cfg,
             qk_norm=False,
-            pad_token_id=getattr(cfg, "pad_token_id", None),
-            initializer_range=getattr(cfg, "initializer_range", 0.02),
+            allow_yarn=True,
+            family="gpt_oss",
+            layer_types=LAYER_TYPES,
+            activation=None,
+            mlp_bias=False,
+        )
+        return cls(
+            **fields,
             num_experts=cfg.num_local_experts,
             num_experts_per_tok=cfg.num_experts_per_tok,
             router_aux_loss_coef=float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0),
             sliding_window=int(cfg.sliding_window or 0),
-            layer_types=layer_types,
+            layer_types=tuple(cfg.layer_types),
             swiglu_alpha=float(cfg.swiglu_alpha),
             swiglu_limit=float(cfg.swiglu_limit),
         )

@@ -4,8 +4,7 @@
 from dataclasses import dataclass
 from typing import Any
 
-from slipstream.models.common.args import TransformerArgs, check_supported
-from slipstream.models.common.rope import rope_args_from_hf
+from slipstream.models.common.args import TransformerArgs, transformer_fields_from_hf
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -51,22 +50,17 @@ class Qwen35MoeArgs(TransformerArgs):
     def from_hf_config(cls, cfg: Any) -> "Qwen35MoeArgs":
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         _check_qwen3_5_moe_supported(cfg)
-        return cls(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.moe_intermediate_size,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
-            rms_norm_eps=cfg.rms_norm_eps,
-            rope=rope_args_from_hf(cfg, allow_partial_rotary=True),
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(cfg, "attention_bias", False)),
-            mlp_bias=False,
+        fields = transformer_fields_from_hf(
+            cfg,
             qk_norm=True,
-            pad_token_id=getattr(cfg, "pad_token_id", None),
-            initializer_range=getattr(cfg, "initializer_range", 0.02),
+            allow_partial_rotary=True,
+            family="qwen3_5_moe",
+            layer_types=LAYER_TYPES,
+            intermediate_size=cfg.moe_intermediate_size,
+            mlp_bias=False,
+        )
+        return cls(
+            **fields,
             layer_types=tuple(cfg.layer_types),
             linear_conv_kernel_dim=cfg.linear_conv_kernel_dim,
             linear_key_head_dim=cfg.linear_key_head_dim,
@@ -82,14 +76,8 @@ class Qwen35MoeArgs(TransformerArgs):
 
 
 def _check_qwen3_5_moe_supported(cfg: Any) -> None:
-    """Reject Qwen3.5-MoE config features the custom model does not compute as the checkpoint means."""
-    check_supported(cfg)
-    types = list(cfg.layer_types or [])
-    if len(types) != cfg.num_hidden_layers or set(types) - set(LAYER_TYPES):
-        raise ValueError(
-            f"qwen3_5_moe: layer_types must give one of {LAYER_TYPES} for each of the {cfg.num_hidden_layers} layers, "
-            f"got {types}; use impl='hf'"
-        )
+    """Reject Qwen3.5-MoE config features the custom model does not compute as the checkpoint means (the shared
+    checks, layer types included, follow in `transformer_fields_from_hf`)."""
     if cfg.linear_num_value_heads % cfg.linear_num_key_heads != 0:
         raise ValueError(
             f"qwen3_5_moe: linear_num_value_heads ({cfg.linear_num_value_heads}) must be a multiple of "

@@ -10,12 +10,11 @@ state at its fork point.
 Legend: B = rows, T = tokens per row, D = hidden size, V = vocabulary, R = MoE blocks, A = active experts.
 """
 
-import torch
 from torch import Tensor
 
 from slipstream.models.common.attention import ContextShard
 from slipstream.models.common.moe_model import MoEDecoderLM
-from slipstream.models.common.prefix_tree import has_branches
+from slipstream.models.common.recurrent import refuse_split_state
 from slipstream.models.common.transformer import MoETransformerBlock
 from slipstream.models.qwen3_5_moe.args import Qwen35MoeArgs
 from slipstream.models.qwen3_5_moe.layers import (
@@ -61,16 +60,11 @@ class Qwen35Moe(MoEDecoderLM):
         context: ContextShard | None = None,
         replay_BTRA: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        if context is not None:
-            raise ValueError(
-                "qwen3_5_moe does not support context parallelism: its Gated DeltaNet (linear attention) layers carry "
-                "a recurrent state along each sample, which a context shard cannot see without state passing (not "
-                "implemented), so the result would not be exact; set trainer.parallel.cp = 1"
-            )
-        # One host sync per forward (the blocks, compiled or not, never see it).
-        if not torch.compiler.is_compiling() and bool(has_branches(position_ids_BT)):
-            raise ValueError(
-                "qwen3_5_moe cannot train prefix-tree rows (a branch would need the linear-attention state at its fork "
-                "point): set orchestrator.shared_prefix = false for this model"
-            )
+        refuse_split_state(
+            "qwen3_5_moe",
+            "its Gated DeltaNet (linear attention) layers",
+            "the linear-attention state",
+            context,
+            position_ids_BT,
+        )
         return super().forward_hidden_with_aux_loss(input_ids_BT, position_ids_BT, context, replay_BTRA)
