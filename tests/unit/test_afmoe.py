@@ -10,8 +10,13 @@ import torch
 from transformers import AfmoeConfig
 
 from slipstream.models.afmoe.args import AfmoeArgs
-from slipstream.models.afmoe.model import Afmoe, AfmoeRMSNorm, sliding_window_attention
-from slipstream.models.common.attention import AttentionLayout, ContextShard, build_attention_layout
+from slipstream.models.afmoe.model import Afmoe, AfmoeRMSNorm
+from slipstream.models.common.attention import (
+    AttentionLayout,
+    ContextShard,
+    build_attention_layout,
+    sliding_window_attention,
+)
 from slipstream.models.common.moe_routing import SharedExpertMoE
 from slipstream.models.registry import load_pretrained
 from tests.unit.moe_family_helpers import MoEFamilyChecks, case_fixture, model_dir_fixture

@@ -5,11 +5,10 @@ K = head dim, E = experts.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from slipstream.models.afmoe.args import AfmoeArgs
-from slipstream.models.common.attention import Attention, AttentionLayout, attention, build_packed_causal_mask
+from slipstream.models.common.attention import Attention, AttentionLayout, attention, sliding_window_attention
 from slipstream.models.common.mlp import SwiGLU
 from slipstream.models.common.moe_model import MoEDecoderLM
 from slipstream.models.common.moe_routing import SharedExpertMoE
@@ -25,27 +24,6 @@ class AfmoeRMSNorm(RMSNorm):
         x_fp32 = x.float()
         x_fp32 = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * x_fp32).to(x.dtype)
-
-
-def sliding_window_attention(q_BtHK: Tensor, k_BtGK: Tensor, v_BtGK: Tensor, layout: AttentionLayout, window: int):
-    """o_BtHK: the packed causal attention of common/attention.py's reference mask (under context parallelism: the
-    shard's queries over the all-gathered keys, with the shard's mask) where a query also sees only the keys less than
-    `window` positions behind it (transformers' `kv_idx > q_idx - sliding_window`). Positions, not columns, measure
-    the distance, so packed samples and prefix-tree branches keep their own windows."""
-    position_ids_Bt = layout.position_ids_BT
-    if layout.backend == "context_parallel":
-        kv_BT2GK = layout.context.gather_kv(torch.stack((k_BtGK, v_BtGK), dim=2))
-        k_BTGK, v_BTGK = kv_BT2GK[:, :, 0], kv_BT2GK[:, :, 1]
-        kv_position_ids_BT, mask_B1tT = layout.context.kv_position_ids_BT, layout.mask_B1TT
-    else:
-        k_BTGK, v_BTGK = k_BtGK, v_BtGK
-        kv_position_ids_BT, mask_B1tT = position_ids_Bt, build_packed_causal_mask(position_ids_Bt)
-    distance_BtT = position_ids_Bt[:, :, None] - kv_position_ids_BT[:, None, :]
-    mask_B1tT = mask_B1tT & (distance_BtT < window)[:, None]
-    o_BHtK = F.scaled_dot_product_attention(
-        q_BtHK.transpose(1, 2), k_BTGK.transpose(1, 2), v_BTGK.transpose(1, 2), attn_mask=mask_B1tT, enable_gqa=True
-    )
-    return o_BHtK.transpose(1, 2)
 
 
 class GatedAttention(Attention):

@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from slipstream.models.afmoe.model import sliding_window_attention
-from slipstream.models.common.attention import Attention, AttentionLayout, attention
+from slipstream.models.common.attention import Attention, AttentionLayout, attention, sliding_window_attention
 from slipstream.models.common.mlp import SwiGLU
 from slipstream.models.common.moe_model import MoEDecoderLM
 from slipstream.models.common.moe_routing import GroupLimitedSigmoidRouter, SharedExpertMoE
@@ -65,7 +64,7 @@ class SoftplusGatedAttention(Attention):
     gate per head, broadcast over K, or one per head dim) before `o_proj`.
 
     A sliding layer with its own RoPE computes its [T, K] cos/sin table itself (small next to attention); sliding
-    layers always take the masked-SDPA path (afmoe's sliding_window_attention: O(T^2) mask per row)."""
+    layers always take the masked-SDPA path (common/attention.py's sliding_window_attention: O(T^2) mask per row)."""
 
     def __init__(self, args: LagunaArgs, layer: int):
         H, G, K = args.num_heads_per_layer[layer], args.num_kv_heads, args.head_dim
