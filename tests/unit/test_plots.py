@@ -117,8 +117,12 @@ def test_heldout_lines_compare_policy_zero_with_the_last_evaluation(tmp_path):
     base = {"env": "reverse_text", "split": "eval", "num_tasks": 64, "num_samples": 4, "reward_stderr": 0.01}
     _write_jsonl(tmp_path / "eval" / "online.jsonl", [base | {"step": 0, "reward_mean": 0.1354}])
     assert heldout_lines(tmp_path) == []  # only the policy before training
-    records = [base | {"step": s, "reward_mean": r} for s, r in ((0, 0.1354), (20, 0.3), (10, 0.25))]
+    records = [
+        base | {"step": s, "reward_mean": r, "completion_tokens_mean": n}
+        for s, r, n in ((0, 0.1354, 35.46), (20, 0.3, 22.0), (10, 0.25, 30.0))
+    ]
     _write_jsonl(tmp_path / "eval" / "online.jsonl", records)
     detail, last = heldout_lines(tmp_path)
     assert last == "heldout_reward: before 0.135 after 0.300"
     assert "reverse_text/eval, 64 tasks x 4 samples" in detail and "v20 0.300" in detail
+    assert detail.endswith("mean completion tokens 35.5 -> 22.0")
