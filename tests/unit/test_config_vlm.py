@@ -1,5 +1,5 @@
 """`[model.vlm]` validators: bfloat16 only (with the reason), a trained vision encoder excludes LoRA, supported
-model types only (checked once model.path is known), the trainer's refusal until images reach it, TOML round trip."""
+model types only (checked once model.path is known), the trainer through transformers only, TOML round trip."""
 
 import json
 import tomllib
@@ -68,13 +68,21 @@ def test_tiny_vlm_folder_passes(tmp_path):
     assert validate_config(ModelConfig, BF16_VLM | {"path": str(folder)}).path == folder
 
 
-def test_trainer_refuses_vlm_until_images_reach_it(tmp_path):
+VLM_RL = (
+    'max_steps = 3\noutput_dir = "out"\n[model]\nname = "m"\ndtype = "bfloat16"\n[model.vlm]\n'
+    "[orchestrator]\nbatch_size = 4\ngroup_size = 2\n"
+)
+
+
+def test_trainer_takes_vlm_through_transformers_only(tmp_path):
     toml = tmp_path / "rl.toml"
-    toml.write_text(
-        'max_steps = 3\noutput_dir = "out"\n[model]\nname = "m"\ndtype = "bfloat16"\n[model.vlm]\n'
-        "[orchestrator]\nbatch_size = 4\ngroup_size = 2\n"
-    )
-    with pytest.raises(ConfigError, match=r"training vision-language models is not available yet.*issue #16"):
+    toml.write_text(VLM_RL)
+    assert load_config(RLConfig, ["-c", str(toml)]).trainer.model.vlm is not None
+    toml.write_text(VLM_RL + '[trainer]\nmodel_impl = "custom"\n')
+    with pytest.raises(ConfigError, match=r"\[model.vlm\] models run through transformers.*model_impl = 'hf'"):
+        load_config(RLConfig, ["-c", str(toml)])
+    toml.write_text(VLM_RL + "[trainer.parallel]\ncp = 2\n")
+    with pytest.raises(ConfigError, match=r"parallel.cp = 2.*set fp8 = false, cp = 1 and ep = 1"):
         load_config(RLConfig, ["-c", str(toml)])
 
 
@@ -84,3 +92,21 @@ def test_round_trip_through_toml(tmp_path):
     data = tomllib.loads((tmp_path / "model.toml").read_text())
     assert data["vlm"] == {"freeze_vision_encoder": False}
     assert ModelConfig.model_validate(data) == config
+
+
+def test_cpu_inference_of_a_vlm_is_refused_with_the_stand_in_named(tmp_path):
+    from slipstream.launch.plan import resolve_config
+
+    toml = tmp_path / "rl.toml"
+    toml.write_text(VLM_RL)
+    config = load_config(RLConfig, ["-c", str(toml)])
+    with pytest.raises(ConfigError, match=r"\[model.vlm\] needs vLLM's GPU build.*slipstream_sim.vlm_server"):
+        resolve_config(config, gpus=[])
+    toml.write_text(
+        VLM_RL.replace(
+            "[orchestrator]\n",
+            "[deployment]\nrun = ['trainer', 'orchestrator']\n[weights]\ntransport = 'filesystem'\n[orchestrator]\n",
+        )
+    )
+    placed = resolve_config(load_config(RLConfig, ["-c", str(toml)]), gpus=[])
+    assert placed.inference.device == "auto" and placed.trainer.device == "cpu"

@@ -71,6 +71,15 @@ def _check_dbo(config: "InferenceConfig") -> None:
 def _check_gpu_only(config: "InferenceConfig") -> None:
     if config.device != "cpu":
         return
+    if config.model.vlm is not None:
+        # vLLM 0.32's CPU build fails inspecting Qwen3-VL: its image processor needs torchvision (docs/vlm.md)
+        raise ValueError(
+            "[model.vlm] needs vLLM's GPU build: vLLM's CPU build cannot serve vision-language models here (they need "
+            "torchvision, which has CUDA builds only), but inference runs on CPU (inference.device = 'cpu', or no "
+            "GPU for inference on this node); give inference GPUs, or (tests) serve the model with "
+            "`python -m slipstream_sim.vlm_server` and set deployment.run = ['trainer', 'orchestrator'] and "
+            "orchestrator.inference_url (examples/count_shapes)"
+        )
     used = [
         name
         for name, on in (

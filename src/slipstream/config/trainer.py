@@ -276,10 +276,18 @@ class TrainerConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _check_vlm_trainable(self) -> "TrainerConfig":
-        if self.model.vlm is not None:
+        """[model.vlm] models run through transformers (the vision encoder and M-RoPE are transformers' own)."""
+        if self.model.vlm is None:
+            return self
+        if self.model_impl == "custom":
             raise ValueError(
-                "[model.vlm]: training vision-language models is not available yet: rollouts do not carry images "
-                "(pixel values, grid sizes) to the trainer so far (issue #16, item 4); remove [model.vlm] to train "
-                "the checkpoint's language model on text prompts"
+                "[model.vlm] models run through transformers (vision encoder, M-RoPE positions of image tokens), not "
+                "Slipstream's own model implementation: set trainer.model_impl = 'hf' or 'auto'"
+            )
+        if self.fp8 or self.parallel.cp > 1 or self.parallel.ep > 1:
+            raise ValueError(
+                "[model.vlm] models run through transformers, which has no FP8 layers, context or expert parallelism "
+                f"here (got fp8 = {str(self.fp8).lower()}, parallel.cp = {self.parallel.cp}, parallel.ep = "
+                f"{self.parallel.ep}): set fp8 = false, cp = 1 and ep = 1"
             )
         return self

@@ -62,3 +62,17 @@ def check_vlm_model_type(model_type: str, model_name: str) -> None:
             f"vision-language model ({', '.join(VLM_MODEL_TYPES)}); remove [model.vlm] to train a text model, or "
             "pick a Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 or Qwen3.5-MoE checkpoint"
         )
+
+
+def placeholder_token_ids(model_dir: Path) -> frozenset[int]:
+    """The image and video placeholder token ids of a vision-language model folder (its config.json's
+    `image_token_id` and `video_token_id`): tokens that stand for pixels in a prompt, never for text."""
+    config_path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read the placeholder tokens of {model_dir} (model.path): {e}") from e
+    ids = [config.get(key) for key in ("image_token_id", "video_token_id")]
+    if not isinstance(ids[0], int):
+        raise ValueError(f"{config_path} (model.path) has no integer image_token_id: is it a vision-language model?")
+    return frozenset(i for i in ids if isinstance(i, int))

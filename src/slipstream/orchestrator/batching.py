@@ -10,6 +10,13 @@ per-token values (no loss; router replay rows are shared only where every sample
 Packing is first-fit decreasing under a token budget (a tree counts its tokens: the prefix once); micro-batches are
 spread over ranks balancing tokens, with equal micro-batch counts per rank whenever the samples allow it (FSDP ranks
 step in lockstep); a tree is split in two where ranks need more micro-batches.
+
+Vision-language rollouts: a sample keeps its prompt's images (the encoded files of its `image_url` data URLs) and
+carries them into whichever micro-batch packing puts it in (MicroBatch.images). Samples with images are never
+shared as prefix trees (the trainer runs them through transformers' vision-language model, one padded row each).
+Inference already expanded each image's placeholder in the prompt tokens; samples are never truncated here. A
+sample whose completion holds an image or video placeholder token (the model sampled one) is dropped and counted
+(`batch/dropped_image_samples`): the trainer's forward would take it for an image without pixels.
 """
 
 from collections import defaultdict
@@ -21,7 +28,8 @@ import numpy as np
 
 from slipstream.orchestrator.routing import align_routing, no_route, pack_routing
 from slipstream.rollout.record import Rollout
-from slipstream.transport.rollouts import MicroBatch, TrainingBatch, write_batch
+from slipstream.transport.rollouts import MicroBatch, SampleImages, TrainingBatch, write_batch
+from slipstream.utils.images import message_image_bytes
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,8 @@ class Sample:
     temperatures: list[float]
     routed_experts: np.ndarray | None = None
     """Router replay: [tokens, moe_layers, top_k], NO_ROUTE where inference did not route (routing.py)."""
+    images: tuple[bytes, ...] = ()
+    """Vision-language prompts: the prompt's image files, in placeholder order (empty: no image)."""
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +72,7 @@ def build_sample(rollout: Rollout, temperature: float) -> Sample:
         routed_experts=None
         if rollout.routed_experts is None
         else align_routing(rollout.routed_experts, num_prompt + num_completion, f"task {rollout.task.id}"),
+        images=tuple(message_image_bytes(rollout.task.prompt)),
     )
 
 
@@ -70,6 +81,11 @@ def build_samples(rollout: Rollout, temperature: float) -> list[Sample]:
     rollout's advantage, logprob and temperature, and environment tokens are masked."""
     if rollout.samples is None:
         return [build_sample(rollout, temperature)]
+    if message_image_bytes(rollout.task.prompt):
+        raise ValueError(
+            f"task {rollout.task.id}: multi-turn rollouts of prompts with images are not supported yet (a multi-turn "
+            "sample does not say which of its tokens hold which image); use a single-turn environment for images"
+        )
     samples = []
     for s in rollout.samples:
         mask = list(s.loss_mask)
@@ -145,7 +161,8 @@ def build_trees(groups: Sequence[Sequence[Sample]], micro_batch_tokens: int, min
         buckets: dict[tuple[int, ...], list[Sample]] = defaultdict(list)
         for sample in group:
             head = sample.input_ids[:min_prefix_tokens]
-            if sample.num_tokens > min_prefix_tokens and not any(sample.loss_mask[:min_prefix_tokens]):
+            shareable = not sample.images and not any(sample.loss_mask[:min_prefix_tokens])
+            if sample.num_tokens > min_prefix_tokens and shareable:
                 buckets[tuple(head)].append(sample)
             else:
                 units.append(sample)
@@ -244,8 +261,10 @@ def to_micro_batch(units: Sequence[Unit]) -> MicroBatch:
     """Concatenate samples and trees; positions restart at 0 for each sample and tree, and continue the shared
     prefix's positions in each further sample of a tree."""
     input_ids, position_ids, loss_mask, advantages, logprobs, temperatures = [], [], [], [], [], []
-    routings, lengths = [], []
+    routings, lengths, images = [], [], []
     for s, start in [part for unit in units for part in _parts(unit)]:
+        if s.images:
+            images.append(SampleImages(start=len(input_ids), num_tokens=s.num_tokens, images=list(s.images)))
         input_ids += s.input_ids[start:]
         position_ids += list(range(start, s.num_tokens))
         loss_mask += s.loss_mask[start:]
@@ -255,7 +274,9 @@ def to_micro_batch(units: Sequence[Unit]) -> MicroBatch:
         routings.append(None if s.routed_experts is None else s.routed_experts[start:])
         lengths.append(s.num_tokens - start)
     routing = pack_routing(routings, lengths)
-    return MicroBatch(input_ids, position_ids, loss_mask, advantages, logprobs, temperatures, routing)
+    return MicroBatch(
+        input_ids, position_ids, loss_mask, advantages, logprobs, temperatures, routing, images=images or None
+    )
 
 
 def build_training_batches(
@@ -267,13 +288,18 @@ def build_training_batches(
     metrics: dict[str, float],
     shared_prefix: bool = True,
     shared_prefix_min_tokens: int = 2,
+    placeholder_ids: frozenset[int] = frozenset(),
 ) -> list[TrainingBatch]:
     """One TrainingBatch per rank; `num_loss_tokens` counts the loss tokens of the whole step. With `shared_prefix`
     the samples of each group (`Rollout.group_index`) that share a prompt of at least `shared_prefix_min_tokens`
-    tokens are packed as prefix trees (build_trees)."""
+    tokens are packed as prefix trees (build_trees). `placeholder_ids` (vision-language models: the image and video
+    placeholder tokens): samples that sampled one are dropped (drop_sampled_placeholders)."""
     groups: dict[int, list[Sample]] = defaultdict(list)
     for r in rollouts:
         groups[r.group_index] += build_samples(r, temperature)
+    if placeholder_ids:
+        metrics["batch/dropped_image_samples"] = float(drop_sampled_placeholders(groups, placeholder_ids))
+        groups = {g: samples for g, samples in groups.items() if samples}
     samples = [sample for group in groups.values() for sample in group]
     if not samples:
         raise ValueError(
@@ -295,6 +321,22 @@ def build_training_batches(
         )
         for rank, bins in enumerate(per_rank)
     ]
+
+
+def drop_sampled_placeholders(groups: dict[int, list[Sample]], placeholder_ids: frozenset[int]) -> int:
+    """Remove (in place) the samples whose loss tokens hold one of `placeholder_ids`; return how many. vLLM embeds a
+    sampled placeholder as text, but the trainer's vision-language forward would count it as an image's token and
+    find no pixels for it, so such a sample cannot be trained as it was generated."""
+    num_dropped = 0
+    for group in groups.values():
+        kept = [
+            s
+            for s in group
+            if not any(m and t in placeholder_ids for t, m in zip(s.input_ids, s.loss_mask, strict=True))
+        ]
+        num_dropped += len(group) - len(kept)
+        group[:] = kept
+    return num_dropped
 
 
 def write_training_batches(output_dir: Path, batches: Sequence[TrainingBatch]) -> list[Path]:

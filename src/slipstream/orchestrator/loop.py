@@ -10,6 +10,7 @@ import logging
 from itertools import groupby
 
 from slipstream.config.orchestrator import OrchestratorConfig
+from slipstream.config.vlm import placeholder_token_ids
 from slipstream.envs.hosting import open_environment
 from slipstream.monitor.logs import setup_logging
 from slipstream.monitor.sinks import Monitors
@@ -127,6 +128,15 @@ def assign_advantages(step: int, rollouts: list[Rollout], config: OrchestratorCo
     return rollout_metrics(step, rollouts, num_zero_adv_groups)
 
 
+def vlm_placeholder_ids(config: OrchestratorConfig) -> frozenset[int]:
+    """[model.vlm]: the model's image and video placeholder tokens (samples that sampled one are not trained)."""
+    if config.model.vlm is None:
+        return frozenset()
+    if config.model.path is None:
+        raise ValueError("[model.vlm] needs model.path (set by `slipstream rl`) to read the model's placeholder tokens")
+    return placeholder_token_ids(config.model.path)
+
+
 def write_step(step: int, rollouts: list[Rollout], config: OrchestratorConfig, metrics: dict[str, float]) -> None:
     """Pack the step's rollouts and write one batch file per trainer rank."""
     batches = build_training_batches(
@@ -138,5 +148,6 @@ def write_step(step: int, rollouts: list[Rollout], config: OrchestratorConfig, m
         metrics,
         shared_prefix=config.shared_prefix,
         shared_prefix_min_tokens=config.shared_prefix_min_tokens,
+        placeholder_ids=vlm_placeholder_ids(config),
     )
     write_training_batches(config.output_dir, batches)

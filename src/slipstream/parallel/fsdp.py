@@ -84,6 +84,7 @@ def parallelize_model(
     compile: bool = False,
     experts: Sequence[nn.Module] = (),
     cpu_offload: bool = False,
+    extra_blocks: Sequence[nn.Module] = (),
 ) -> nn.Module:
     """Expert parallelism over `mesh.ep` for the stacked-experts modules `experts` (when ep > 1), activation
     checkpointing (if configured), then torch.compile per block (if `compile`), then FSDP2 per block and on `model`
@@ -91,7 +92,8 @@ def parallelize_model(
     their own FSDP unit over `mesh.expert_fsdp`. Without a mesh (one rank) nothing is sharded. Returns `model`,
     modified in place; its parameters end up on the mesh's device, or in (pinned) CPU memory with `cpu_offload`
     (FSDP2's CPUOffloadPolicy: sharded masters, their gradients and so the optimizer state stay on the CPU; each
-    block's parameters are copied to the GPU for its forward and backward)."""
+    block's parameters are copied to the GPU for its forward and backward). `extra_blocks` (a trained vision
+    encoder's blocks) become FSDP units of their own, ahead of the transformer blocks."""
     expert_parallel = mesh is not None and mesh.ep is not None
     if expert_parallel:
         apply_expert_parallel(experts, mesh.ep)
@@ -104,6 +106,8 @@ def parallelize_model(
     policy = build_mp_policy(compute_dtype, mesh.device_type)
     shard = dict(mp_policy=policy, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     sharded_experts = {id(m) for m in experts} if expert_parallel else set()
+    for block in extra_blocks:
+        fully_shard(block, mesh=mesh.fsdp, **shard)
     blocks = find_blocks(model)
     for i, block in enumerate(blocks):
         # The last block's parameters would be all-gathered again at once for backward: keep them.

@@ -1,11 +1,14 @@
 """Per-token log-probs and entropies of a packed micro-batch under one of our models (packed rows, no padding) or a
-Hugging Face causal LM (packed samples run as right-padded rows), through a chunked LM head.
+Hugging Face causal LM (packed samples run as right-padded rows), through a chunked LM head. Micro-batches with
+images (vision-language models, transformers only) run as right-padded rows with the images' pixels, and the model
+computes their M-RoPE positions itself.
 
 Legend: T = packed tokens, B = samples (padded rows), L = longest sample, N = predicted tokens (T - B),
 D = hidden size, V = vocabulary.
 """
 
 from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +28,9 @@ from slipstream.trainer.data import (
 )
 from slipstream.trainer.lm_head import lm_head_logprobs
 from slipstream.trainer.row_layout import use_padded_rows
+
+if TYPE_CHECKING:
+    from slipstream.trainer.vlm_batch import ImageInputs
 
 DEFAULT_CHUNK_SIZE = 8192
 """Tokens per LM-head chunk: only [chunk, V] logits (in the compute dtype) exist at a time."""
@@ -63,6 +69,7 @@ def packed_logprobs(
     target_mask_T: Tensor | None = None,
     context_parallel: ContextParallel | None = None,
     replay_TRA: Tensor | None = None,
+    images: "ImageInputs | None" = None,
 ) -> tuple[Tensor, Tensor]:
     """`compute_logprobs` on the micro-batch's tensors. Packed samples never attend to each other: our models
     separate them by position_ids (one row, no padding) or run one padded row per sample where that is cheaper
@@ -74,6 +81,7 @@ def packed_logprobs(
     With `context_parallel` (our models only) this rank runs its shard of the row and the LM head for the targets it
     owns; the results are summed over the cp group, so every cp rank returns the whole row's values.
     `replay_TRA` (router replay, our MoE models only) follows the tokens into whichever layout runs.
+    `images` (vision-language models run by transformers): the micro-batch's images (vlm_batch.py).
     """
     layout = build_padded_layout(position_ids_T)
     if replay_TRA is not None:
@@ -90,7 +98,10 @@ def packed_logprobs(
         head_weight_VD, head_bias_V = model.lm_head_weight, None
     else:
         check_plain_lm_head(model)
-        hidden_TD = hf_hidden(model, input_ids_T, position_ids_T, layout)
+        if images is not None:
+            hidden_TD = vlm_hidden(model, input_ids_T, layout, images)
+        else:
+            hidden_TD = hf_hidden(model, input_ids_T, position_ids_T, layout)
         lm_head = model.get_output_embeddings()
         head_weight_VD, head_bias_V = lm_head.weight, lm_head.bias
     target_N = torch.nonzero(is_target_T).squeeze(-1)
@@ -114,6 +125,28 @@ def hf_hidden(model: nn.Module, input_ids_T: Tensor, position_ids_T: Tensor, lay
     attention_mask_BL = unpack(torch.ones_like(input_ids_T), layout, pad_value=0)
     out = model.base_model(
         input_ids=input_ids_BL, attention_mask=attention_mask_BL, position_ids=position_ids_BL, use_cache=False
+    )
+    return pack(out.last_hidden_state, layout)
+
+
+def vlm_hidden(model: nn.Module, input_ids_T: Tensor, layout: PaddedLayout, images: "ImageInputs") -> Tensor:
+    """hidden_TD of a transformers vision-language model (Qwen3-VL family): one right-padded row per sample under its
+    attention mask, every image of the micro-batch encoded in one vision pass (rows follow the packed order, so the
+    images' token order is the model's), and no position_ids: the model derives M-RoPE's 3-D positions from the
+    token types (an image's tokens advance by its side, not its token count; packed 1-D positions would be wrong)."""
+    if layout.num_branches:
+        raise ValueError("a micro-batch with images holds a prefix tree; the orchestrator never shares image samples")
+    if images.pixel_values_PF.shape[0] and not getattr(model.config, "vision_config", None):
+        raise ValueError(f"the micro-batch holds images but {type(model).__name__} is not a vision-language model")
+    input_ids_BL = unpack(input_ids_T, layout, pad_value=0)
+    attention_mask_BL = unpack(torch.ones_like(input_ids_T), layout, pad_value=0)
+    out = model.base_model(
+        input_ids=input_ids_BL,
+        attention_mask=attention_mask_BL,
+        pixel_values=images.pixel_values_PF,
+        image_grid_thw=images.image_grid_thw_I3,
+        mm_token_type_ids=(input_ids_BL == images.image_token_id).int() * attention_mask_BL,
+        use_cache=False,
     )
     return pack(out.last_hidden_state, layout)
 

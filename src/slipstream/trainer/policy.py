@@ -6,6 +6,7 @@ outside the model's own `forward`, so the wrapper is the FSDP root that owns the
 """
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -14,14 +15,18 @@ from slipstream.models.common.prefix_tree import parent_index
 from slipstream.parallel.cp import ContextParallel
 from slipstream.trainer.logprobs import DEFAULT_CHUNK_SIZE, packed_logprobs
 
+if TYPE_CHECKING:
+    from slipstream.trainer.vlm_batch import ImageInputs
+
 WRAPPED_PREFIX = "model."
 """State-dict keys of the policy are the wrapped model's keys with this prefix."""
 
 
 class Policy(nn.Module):
-    """`forward(input_ids_T, position_ids_T, temperatures_T, loss_mask_T=None, replay_TRA=None) -> (logprobs_T,
-    entropy_T)` (see packed_logprobs): with `loss_mask_T` the LM head runs only for loss tokens (0 elsewhere);
-    `replay_TRA` replays inference's routing in the MoE layers (router replay).
+    """`forward(input_ids_T, position_ids_T, temperatures_T, loss_mask_T=None, replay_TRA=None, images=None) ->
+    (logprobs_T, entropy_T)` (see packed_logprobs): with `loss_mask_T` the LM head runs only for loss tokens (0
+    elsewhere); `replay_TRA` replays inference's routing in the MoE layers (router replay); `images` are the
+    micro-batch's images (vision-language models).
 
     With `context_parallel` (parallel/cp.py) the ranks of a cp group pass the same micro-batch, each runs its shard
     of the row, and each returns the whole row's values; `owned_tokens` says which tokens' loss a rank adds up."""
@@ -41,6 +46,7 @@ class Policy(nn.Module):
         temperatures_T: Tensor,
         loss_mask_T: Tensor | None = None,
         replay_TRA: Tensor | None = None,
+        images: "ImageInputs | None" = None,
     ) -> tuple[Tensor, Tensor]:
         return packed_logprobs(
             self.model,
@@ -51,6 +57,7 @@ class Policy(nn.Module):
             target_mask_T=loss_mask_T,
             context_parallel=self.context_parallel,
             replay_TRA=replay_TRA,
+            images=images,
         )
 
     def owned_tokens(
@@ -65,11 +72,20 @@ class Policy(nn.Module):
         return self.context_parallel.owned_tokens(num_tokens, device, parent_T)
 
 
-def load_model(model_dir: Path, impl: str) -> tuple[nn.Module, str]:
-    """(float32 model on the CPU, resolved impl "custom" or "hf") for an HF model folder and `trainer.model_impl`."""
+def load_model(model_dir: Path, impl: str, vlm: bool = False) -> tuple[nn.Module, str]:
+    """(float32 model on the CPU, resolved impl "custom" or "hf") for an HF model folder and `trainer.model_impl`.
+    `vlm` ([model.vlm]): the whole vision-language model (vision encoder + language model) through transformers'
+    AutoModelForImageTextToText, under the checkpoint's own tensor names."""
     from transformers import AutoConfig
 
     from slipstream.models.registry import load_pretrained, resolve_impl
+
+    if vlm:
+        from transformers import AutoModelForImageTextToText
+
+        if impl == "custom":
+            raise ValueError("[model.vlm] runs through transformers: set trainer.model_impl = 'hf' or 'auto'")
+        return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32), "hf"
 
     resolved = resolve_impl(AutoConfig.from_pretrained(model_dir).model_type, impl)
     return load_pretrained(model_dir, impl=resolved, dtype=torch.float32, device="cpu"), resolved

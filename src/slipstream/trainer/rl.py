@@ -53,6 +53,7 @@ def run_trainer(config: TrainerConfig) -> None:
                 config.optim.max_grad_norm,
                 trainer.device,
                 trainer.autocast_dtype,
+                trainer.image_inputs,
             )
             t_train = time.perf_counter()
             metrics["nonfinite/total"] = nonfinite.update(step, bool(metrics["nonfinite/skipped"]))

@@ -65,6 +65,8 @@ class Trainer:
     start_step: int = 0
     """Last step already trained (from the checkpoint resumed from); the loop starts at start_step + 1."""
     owns_process_group: bool = False
+    image_inputs: Any = None
+    """[model.vlm]: builds a micro-batch's image inputs (trainer/vlm_batch.py ImageProcessorInputs); None: text."""
 
     @property
     def rank(self) -> int:
@@ -97,7 +99,8 @@ def setup_trainer(config: TrainerConfig) -> Trainer:
     hf_logging.disable_progress_bar()
 
     model_dir = resolve_model_once(config.model, info)
-    model, impl = load_model(model_dir, config.model_impl)
+    model, impl = load_model(model_dir, config.model_impl, vlm=config.model.vlm is not None)
+    vision_blocks = setup_vision_encoder(model, config)
     check_parallel_fits_model(dims, model, impl)
     if config.packed_attention != "varlen":
         if impl != "custom":
@@ -125,6 +128,7 @@ def setup_trainer(config: TrainerConfig) -> Trainer:
         compile=config.compile,
         experts=find_grouped_experts(model),
         cpu_offload=config.optim.cpu_offload,
+        extra_blocks=vision_blocks,
     )
     if mesh is None:
         policy.to(device)
@@ -133,6 +137,7 @@ def setup_trainer(config: TrainerConfig) -> Trainer:
         autocast_dtype = torch.float32
     optimizer = build_optimizer(policy, config, device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    hf_config = AutoConfig.from_pretrained(model_dir)
     trainer = Trainer(
         model=model,
         policy=policy,
@@ -144,14 +149,34 @@ def setup_trainer(config: TrainerConfig) -> Trainer:
         compute_dtype=compute_dtype,
         autocast_dtype=autocast_dtype,
         impl=impl,
-        hf_config=AutoConfig.from_pretrained(model_dir),
+        hf_config=hf_config,
         model_dir=model_dir,
         data_rank=dims.data_rank(info.rank),
         num_data_ranks=dims.num_data_ranks,
         owns_process_group=owns_process_group,
     )
+    if config.model.vlm is not None:
+        from slipstream.trainer.vlm_batch import ImageProcessorInputs
+
+        trainer.image_inputs = ImageProcessorInputs.from_config(model_dir, hf_config)
     maybe_resume(trainer, config)
     return trainer
+
+
+def setup_vision_encoder(model: nn.Module, config: TrainerConfig) -> list[nn.Module]:
+    """[model.vlm]: freeze the vision encoder (the default: no gradients, so out of the optimizer) and return no
+    extra FSDP units; with freeze_vision_encoder = false return its blocks, each its own FSDP unit. Text models: []."""
+    from slipstream.trainer.vlm_logprobs import freeze_vision_encoder
+
+    vlm = config.model.vlm
+    if vlm is None:
+        return []
+    if not vlm.freeze_vision_encoder:
+        return list(model.model.visual.blocks)
+    num_frozen = freeze_vision_encoder(model)
+    if read_rank_info().is_main:
+        log.info(f"vision encoder frozen: {num_frozen:,} parameters left out of the optimizer")
+    return []
 
 
 def setup_lora(model: nn.Module, config: TrainerConfig) -> None:

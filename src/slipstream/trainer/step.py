@@ -5,7 +5,9 @@ lockstep): a rank with fewer micro-batches repeats its last one with its loss mu
 sums over all ranks' loss tokens.
 """
 
+from collections.abc import Callable
 from dataclasses import fields
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -18,7 +20,10 @@ from slipstream.parallel.grad import clip_divisor, clip_grad_norm, global_grad_n
 from slipstream.trainer.data import to_packed
 from slipstream.trainer.logprobs import mixed_precision
 from slipstream.trainer.loss import LossStats, rl_loss
-from slipstream.transport.rollouts import TrainingBatch
+from slipstream.transport.rollouts import MicroBatch, TrainingBatch
+
+ImageInputsFn = Callable[[MicroBatch, torch.device], Any]
+"""Vision-language models: a micro-batch's images as the model takes them (trainer/vlm_batch.py), None without."""
 
 
 def train_step(
@@ -29,6 +34,7 @@ def train_step(
     max_grad_norm: float,
     device: torch.device,
     autocast_dtype: torch.dtype = torch.float32,
+    image_inputs: ImageInputsFn | None = None,
 ) -> dict[str, float | None]:
     """Accumulate gradients of every micro-batch (each loss already divided by the step's loss-token count across
     ranks), clip the global gradient norm, step the optimizer and zero the gradients.
@@ -36,7 +42,8 @@ def train_step(
     `policy` (trainer/policy.py) maps (input_ids_T, position_ids_T, temperatures_T, loss_mask_T) to (logprobs_T,
     entropy_T), both 0 outside the loss mask, and says which tokens' loss this rank owns (`owned_tokens`).
     Its parameters are the float32 masters; with `autocast_dtype` bfloat16 the forward runs under autocast
-    (backward follows it), so AdamW always updates float32 weights.
+    (backward follows it), so AdamW always updates float32 weights. `image_inputs` ([model.vlm]) turns the images a
+    micro-batch carries into the model's inputs; a batch with images is refused without it.
     """
     if not batch.micro_batches:
         raise ValueError(f"batch of step {batch.step} rank {batch.rank} has no micro-batches")
@@ -49,7 +56,9 @@ def train_step(
     replay_sums = torch.zeros(3, dtype=torch.float64, device=device)  # (token-layers, replayed, agreeing)
     for i in range(num_passes):
         is_padding = i >= len(batch.micro_batches)
-        packed = to_packed(batch.micro_batches[min(i, len(batch.micro_batches) - 1)], device)
+        mb = batch.micro_batches[min(i, len(batch.micro_batches) - 1)]
+        packed = to_packed(mb, device)
+        extra = _image_kwargs(mb, device, image_inputs, batch.step)
         with mixed_precision(device, autocast_dtype):
             # Only loss tokens go through the LM head: the loss and the logged entropy read nothing else.
             logprobs_T, entropy_T = policy(
@@ -58,6 +67,7 @@ def train_step(
                 packed.temperatures_T,
                 packed.loss_mask_T,
                 replay_TRA=packed.replay_TRA,
+                **extra,
             )
         # Context parallelism: the cp ranks share this micro-batch, and each adds up the loss of its own tokens.
         owned_T = policy.owned_tokens(packed.num_tokens, device, packed.position_ids_T)
@@ -91,6 +101,21 @@ def train_step(
     grad_norm, skipped = clip_and_step(policy, optimizer, max_grad_norm)
     metrics = summarize_step(total, entropy_sum, grad_norm, optimizer, batch, num_tokens, replay_sums)
     return metrics | {"nonfinite/skipped": float(skipped)}
+
+
+def _image_kwargs(
+    mb: MicroBatch, device: torch.device, image_inputs: ImageInputsFn | None, step: int
+) -> dict[str, Any]:
+    """The policy's `images` argument for a micro-batch ({} for text models)."""
+    if image_inputs is None:
+        if mb.images:
+            raise ValueError(
+                f"the batch of step {step} carries images but the trainer's model is a text model: set [model.vlm] "
+                "for a vision-language checkpoint, or train on an environment without images"
+            )
+        return {}
+    images = image_inputs(mb, device)
+    return {} if images is None else {"images": images}
 
 
 def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> tuple[Tensor, bool]:

@@ -3,7 +3,9 @@ right-padded row per sample, every sample's images encoded in one vision pass, M
 from the token types (image tokens' 3-D positions advance by the image's side, not its token count, so the packed 1-D
 `position_ids` of text samples would be wrong), and the frozen vision encoder.
 
-Not wired into the training step yet: micro-batches do not carry images so far (docs/vlm.md, plan).
+The training step runs packed micro-batches through logprobs.vlm_hidden instead (same padded rows and M-RoPE); this
+one-call form is the reference the tests compare it with, and `freeze_vision_encoder` is what the trainer's setup
+calls for `[model.vlm] freeze_vision_encoder = true`.
 Tensor legend: B rows, L padded length, D hidden, V vocabulary, P patches, F patch features, I images.
 """
 

@@ -5,6 +5,10 @@ packed into one micro-batch; `position_ids` restart at 0 where a new sample begi
 packed as a prefix tree (orchestrator.shared_prefix): the first sample whole, then each further sample's tokens
 after the shared prefix, their positions continuing the prefix's (models/common/prefix_tree.py). A shared prefix
 carries no loss and keeps the first sample's per-token values (router replay rows included).
+
+Vision-language samples (format 2) carry their images: per sample, its token span in the micro-batch and the encoded
+image files of its prompt, in the order of their placeholders; the trainer runs its image processor on them. A
+sample with images is never part of a prefix tree.
 """
 
 import time
@@ -15,7 +19,8 @@ import msgspec
 from slipstream.rundir import RunDir
 from slipstream.utils.fs import atomic_write_bytes
 
-BATCH_FORMAT_VERSION = 1
+BATCH_FORMAT_VERSION = 2
+"""2: micro-batches may carry images (MicroBatch.images)."""
 
 
 class Routing(msgspec.Struct, frozen=True):
@@ -28,6 +33,17 @@ class Routing(msgspec.Struct, frozen=True):
     dtype: str
     num_layers: int
     top_k: int
+
+
+class SampleImages(msgspec.Struct, frozen=True):
+    """The images of one sample of a micro-batch: the sample is tokens [start, start + num_tokens) (position 0 at
+    `start`); `images` are its prompt's image files (PNG from a data URL), in the order of their placeholder runs.
+    Its tokens hold each image's placeholder already expanded (one `<|image_pad|>` per merged patch, as inference
+    rendered the prompt)."""
+
+    start: int
+    num_tokens: int
+    images: list[bytes]
 
 
 class MicroBatch(msgspec.Struct, frozen=True):
@@ -48,6 +64,8 @@ class MicroBatch(msgspec.Struct, frozen=True):
     """Sampling temperature of the token (1.0 where loss_mask is False)."""
     routing: Routing | None = None
     """Router replay of the micro-batch's tokens (MoE models with orchestrator.router_replay); None: none."""
+    images: list[SampleImages] | None = None
+    """Vision-language models: the samples that hold images, in token order; None: no sample holds one."""
 
 
 class TrainingBatch(msgspec.Struct, frozen=True):
@@ -92,7 +110,24 @@ def read_batch(path: Path) -> TrainingBatch:
         lens = {len(mb.position_ids), len(mb.loss_mask), len(mb.advantages), len(mb.inference_logprobs)}
         if lens | {len(mb.temperatures)} != {n}:
             raise BatchFormatError(f"{path}: micro_batches[{i}] has token arrays of different lengths")
+        problem = check_sample_images(mb)
+        if problem:
+            raise BatchFormatError(f"{path}: micro_batches[{i}]: {problem}")
     return batch
+
+
+def check_sample_images(mb: MicroBatch) -> str | None:
+    """What is wrong with a micro-batch's `images` (None: nothing): each entry must be one whole sample with at
+    least one image, entries in token order and apart."""
+    end = 0
+    for k, sample in enumerate(mb.images or []):
+        stop = sample.start + sample.num_tokens
+        if sample.start < end or sample.num_tokens < 1 or stop > len(mb.input_ids) or not sample.images:
+            return f"images[{k}] (tokens [{sample.start}, {stop}), {len(sample.images)} images) is not a sample of it"
+        if mb.position_ids[sample.start] != 0 or (stop < len(mb.input_ids) and mb.position_ids[stop] != 0):
+            return f"images[{k}] (tokens [{sample.start}, {stop})) does not span exactly one sample"
+        end = stop
+    return None
 
 
 def wait_for_batch(output_dir: Path, step: int, rank: int, timeout_s: float, poll_s: float = 0.05) -> TrainingBatch:

@@ -1,0 +1,142 @@
+"""The trainer's vision-language path on a tiny Qwen3-VL: count_shapes rollouts packed by the orchestrator into
+micro-batches with images give, through the Policy, the log-probs of each sample alone (vlm_logprobs); a train step
+with the frozen vision encoder moves the language model only; text models and mismatched images are refused."""
+
+import msgspec
+import pytest
+import torch
+from transformers import AutoImageProcessor, AutoTokenizer
+
+from slipstream.config.trainer import LossConfig
+from slipstream.envs.count_shapes import CountShapesEnv
+from slipstream.models.tiny_vlm import build_tiny_vlm
+from slipstream.models.vlm_inputs import render_image_prompt
+from slipstream.orchestrator.batching import build_training_batches
+from slipstream.rollout.record import Rollout
+from slipstream.trainer.data import MicroBatchError, to_packed
+from slipstream.trainer.policy import Policy, load_model
+from slipstream.trainer.step import train_step
+from slipstream.trainer.vlm_batch import ImageProcessorInputs
+from slipstream.trainer.vlm_logprobs import VLMSample, freeze_vision_encoder, vlm_logprobs
+from slipstream.utils.images import decode_image_bytes
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm") / "qwen3_vl")
+
+
+@pytest.fixture(scope="module")
+def rollouts(vlm_dir):
+    """Two groups of two count_shapes rollouts, prompts rendered as inference renders them, made-up completions."""
+    tokenizer, processor = AutoTokenizer.from_pretrained(vlm_dir), AutoImageProcessor.from_pretrained(vlm_dir)
+    out = []
+    for g, task in enumerate(CountShapesEnv(num_tasks=2, seed=4).tasks("train")):
+        prompt_ids = render_image_prompt(tokenizer, processor, task.prompt).token_ids
+        for i in range(2):
+            completion = tokenizer(f"<answer>{g + i + 1}</answer>", add_special_tokens=False)["input_ids"]
+            out.append(
+                Rollout(
+                    task=task,
+                    prompt_token_ids=prompt_ids,
+                    completion_token_ids=completion,
+                    completion_logprobs=[-1.0] * len(completion),
+                    completion_text="",
+                    token_versions=[0] * len(completion),
+                    request_version=0,
+                    advantage=1.0 if i else -1.0,
+                    group_index=g,
+                )
+            )
+    return out
+
+
+def _batch(rollouts):
+    (batch,) = build_training_batches(1, rollouts, 1.0, micro_batch_tokens=4096, num_ranks=1, metrics={})
+    assert len(batch.micro_batches) == 1 and len(batch.micro_batches[0].images) == len(rollouts)
+    return batch
+
+
+def _model(vlm_dir):
+    model, impl = load_model(vlm_dir, "auto", vlm=True)
+    assert impl == "hf"
+    return model
+
+
+def test_policy_logprobs_of_a_packed_micro_batch_equal_each_sample_alone(vlm_dir, rollouts):
+    model = _model(vlm_dir).eval()
+    image_inputs = ImageProcessorInputs.from_config(vlm_dir, model.config)
+    (mb,) = _batch(rollouts).micro_batches
+    packed = to_packed(mb, CPU)
+    with torch.no_grad():
+        logprobs_T, _ = Policy(model)(
+            packed.input_ids_T, packed.position_ids_T, packed.temperatures_T, images=image_inputs(mb, CPU)
+        )
+        processor = image_inputs.processor
+        for entry in mb.images:
+            inputs = processor(images=[decode_image_bytes(b) for b in entry.images], return_tensors="pt")
+            tokens = mb.input_ids[entry.start : entry.start + entry.num_tokens]
+            (alone_L,) = vlm_logprobs(model, [VLMSample(tokens, inputs["pixel_values"], inputs["image_grid_thw"])])
+            got_L = logprobs_T[entry.start : entry.start + entry.num_tokens]
+            torch.testing.assert_close(got_L, alone_L, atol=1e-5, rtol=0)
+
+
+def test_train_step_with_a_frozen_vision_encoder_moves_the_language_model_only(vlm_dir, rollouts):
+    model = _model(vlm_dir)
+    assert freeze_vision_encoder(model) > 0
+    policy = Policy(model)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+    assert not any(p is q for g in optimizer.param_groups for p in g["params"] for q in model.model.visual.parameters())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    image_inputs = ImageProcessorInputs.from_config(vlm_dir, model.config)
+    metrics = train_step(
+        policy, optimizer, _batch(rollouts), LossConfig(), 10.0, CPU, torch.bfloat16, image_inputs=image_inputs
+    )
+    assert metrics["num_loss_tokens"] > 0 and metrics["grad_norm"] > 0
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all(not n.startswith("model.visual.") for n in changed)
+    assert any(n.startswith("model.language_model.layers.") for n in changed)
+
+
+def test_images_need_a_vision_language_trainer_and_whole_images(vlm_dir, rollouts):
+    batch = _batch(rollouts)
+    model = _model(vlm_dir)
+    policy = Policy(model)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="carries images but the trainer's model is a text model"):
+        train_step(policy, optimizer, batch, LossConfig(), 1.0, CPU)
+    image_inputs = ImageProcessorInputs.from_config(vlm_dir, model.config)
+    (mb,) = batch.micro_batches
+    first = mb.images[0]
+    # A sample given one image too many: its image tokens no longer match its images.
+    doubled = msgspec.structs.replace(first, images=first.images * 2)
+    bad = msgspec.structs.replace(mb, images=[doubled, *mb.images[1:]])
+    with pytest.raises(MicroBatchError, match="has 4 image tokens but its 2 image"):
+        image_inputs(bad, CPU)
+    no_images = msgspec.structs.replace(mb, images=None)
+    with pytest.raises(MicroBatchError, match="image tokens but no images"):
+        image_inputs(no_images, CPU)
+
+
+def test_a_trained_vision_encoder_moves_and_gives_one_fsdp_unit_per_block(vlm_dir, rollouts):
+    from types import SimpleNamespace
+
+    from slipstream.config.vlm import VLMConfig
+    from slipstream.trainer.setup import setup_vision_encoder
+
+    model = _model(vlm_dir)
+    config = SimpleNamespace(model=SimpleNamespace(vlm=VLMConfig(freeze_vision_encoder=False)))
+    blocks = setup_vision_encoder(model, config)
+    assert blocks == list(model.model.visual.blocks) and len(blocks) == 2
+    assert all(p.requires_grad for p in model.parameters())
+    policy = Policy(model)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    image_inputs = ImageProcessorInputs.from_config(vlm_dir, model.config)
+    train_step(policy, optimizer, _batch(rollouts), LossConfig(), 10.0, CPU, torch.bfloat16, image_inputs=image_inputs)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert any(n.startswith("model.visual.blocks.") for n in changed)
+    text = SimpleNamespace(model=SimpleNamespace(vlm=None))
+    assert setup_vision_encoder(model, text) == []
