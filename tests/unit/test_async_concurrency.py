@@ -5,8 +5,8 @@ import pytest
 from pydantic import ValidationError
 
 from slipstream.config.orchestrator import ConcurrencyConfig
-from slipstream.orchestrator.client import InferenceError
 from slipstream.orchestrator.concurrency import InFlightLimit, ServerLoad, parse_server_load
+from slipstream.rollout.client import InferenceError
 
 METRICS = """# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
 # TYPE vllm:num_requests_waiting gauge

@@ -8,7 +8,8 @@ import httpx
 import pytest
 
 from slipstream.envs.base import Task
-from slipstream.orchestrator.client import InferenceClient, InferenceError
+from slipstream.orchestrator.client import InferenceClient
+from slipstream.rollout.client import InferenceError
 from slipstream.rollout.streaming import StreamedChat
 
 TASK = Task(id="t0", prompt=[{"role": "user", "content": "hi"}])
@@ -177,7 +178,7 @@ def test_stream_chunks_keep_unicode_line_separators_inside_json():
     """Generated text may hold U+2028 / U+0085, which JSON leaves unescaped: a chunk must not be cut there."""
     import httpx
 
-    from slipstream.orchestrator.client import _sse_chunks
+    from slipstream.rollout.client import _sse_chunks
 
     texts = ["a\u2028b", "c\x85d\x1ce", "f\rg"]
     body = "".join(f"data: {json.dumps({'text': t}, ensure_ascii=False)}\r\n\r\n" for t in texts) + "data: [DONE]\n\n"

@@ -15,9 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from slipstream.orchestrator.client import InferenceClient, InferenceUnavailable
+from slipstream.orchestrator.client import InferenceClient
 from slipstream.orchestrator.pipeline import RolloutPipeline
 from slipstream.orchestrator.weights import WeightRelay
+from slipstream.rollout.client import InferenceUnavailable
 from slipstream.rundir import WEIGHT_CHECKS_FILE
 from slipstream_sim import SimConfig, sim_logprob
 from tests.e2e.helpers import free_port

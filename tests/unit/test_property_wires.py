@@ -26,10 +26,10 @@ from starlette.testclient import TestClient
 from slipstream.envs.base import Task
 from slipstream.inference.admin_token import HEADER
 from slipstream.inference.auth import AdminTokenMiddleware, is_open_path
-from slipstream.orchestrator.client import InferenceError, _sse_chunks, parse_prompt_logprobs
 from slipstream.orchestrator.concurrency import parse_server_load
 from slipstream.orchestrator.routing import decode_routed_experts
 from slipstream.orchestrator.state import OrchestratorState, load_state, save_state
+from slipstream.rollout.client import InferenceError, _sse_chunks, parse_prompt_logprobs
 from slipstream.rollout.replies import parse_chat_response
 from slipstream.rundir import RunDir
 from slipstream.trainer.ckpt import read_progress

@@ -11,7 +11,7 @@ from slipstream.envs.base import RewardResult, Task
 from slipstream.envs.multiturn import MultiTurnEnv
 from slipstream.envs.rollout import StopRollout, run_rollout
 from slipstream.eval.tasks import evaluate_multi_turn_task, evaluate_single_turn_task
-from slipstream.orchestrator.client import ContextLengthError, InferenceError
+from slipstream.rollout.client import ContextLengthError, InferenceError
 from slipstream.rollout.limiter import WeightedSemaphore
 from slipstream.rollout.streaming import StreamedChat
 from slipstream.rollout.turns import CONTEXT_LENGTH, TurnProgress, TurnRequester, sample_completions

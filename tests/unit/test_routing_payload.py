@@ -14,8 +14,8 @@ from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.config.rl import RLConfig
 from slipstream.envs.base import Task
 from slipstream.orchestrator.batching import build_training_batches
-from slipstream.orchestrator.client import InferenceError
 from slipstream.orchestrator.routing import align_routing, decode_routed_experts, pack_routing
+from slipstream.rollout.client import InferenceError
 from slipstream.rollout.replies import parse_chat_response
 from slipstream.trainer.data import MicroBatchError, routing_tensor, to_packed
 from slipstream.transport.rollouts import Routing

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from slipstream.cli import main as cli_main
 from slipstream.config.sft import SFTConfig
 from slipstream.config.shared import ModelConfig
-from slipstream.models.hub import resolve_model_config
+from slipstream.models.resolve import resolve_model_config
 from slipstream.monitor.metrics import read_metrics
 from slipstream.rundir import RunDir
 from slipstream.trainer.setup import setup_trainer

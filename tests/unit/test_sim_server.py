@@ -28,7 +28,7 @@ MESSAGES = [{"role": "user", "content": "reverse: abc"}]
 
 
 def chat_body(n: int = 1, max_tokens: int = 8, **extra) -> dict:
-    """What orchestrator/client.py sends."""
+    """What rollout/client.py sends."""
     body = {"model": "m", "messages": MESSAGES, "n": n, "temperature": 1.0, "max_completion_tokens": max_tokens}
     return {**body, "logprobs": True, "top_logprobs": 0, "return_token_ids": True, "cache_salt": "policy-0", **extra}
 

@@ -1,6 +1,6 @@
 """Evaluate the served policy on an environment split: seeded requests per task, env rewards, pass@k.
 
-`evaluate` needs only an InferenceClient and an environment, so the orchestrator can call it for online
+`evaluate` needs only a GenerationClient and an environment, so the orchestrator can call it for online
 evaluation; `slipstream eval` (eval/run.py) wraps it with a server, a progress bar and a results file.
 """
 
@@ -12,7 +12,7 @@ from slipstream.config.orchestrator import SamplingConfig
 from slipstream.envs.base import AnyEnvironment, Task, is_multi_turn
 from slipstream.eval.results import EvalResult, TaskResult, summarize
 from slipstream.eval.tasks import evaluate_multi_turn_task, evaluate_single_turn_task
-from slipstream.orchestrator.client import InferenceClient
+from slipstream.rollout.client import GenerationClient
 from slipstream.rollout.limiter import CompletionLimiter, WeightedSemaphore
 
 
@@ -22,7 +22,7 @@ def default_pass_ks(num_samples: int) -> list[int]:
 
 
 async def evaluate(
-    client: InferenceClient,
+    client: GenerationClient,
     env: AnyEnvironment,
     split: str,
     num_samples: int,

@@ -15,7 +15,7 @@ from slipstream.config.orchestrator import SamplingConfig
 from slipstream.envs.base import AnyEnvironment, Environment, Task, score
 from slipstream.envs.rollout import ModelFn, RolloutError, run_rollout
 from slipstream.eval.results import TaskResult
-from slipstream.orchestrator.client import ContextLengthError, InferenceClient
+from slipstream.rollout.client import ContextLengthError, GenerationClient
 from slipstream.rollout.limiter import CompletionLimiter
 from slipstream.rollout.record import sampling_params
 from slipstream.rollout.streaming import StreamedChat
@@ -29,7 +29,7 @@ def request_seed(seed: int, task_id: str) -> int:
 
 
 async def evaluate_single_turn_task(
-    client: InferenceClient,
+    client: GenerationClient,
     env: Environment,
     task: Task,
     num_samples: int,
@@ -78,7 +78,7 @@ def _prompt_too_long(task: Task, task_seed: int | None, num_samples: int, error:
 
 
 async def evaluate_multi_turn_task(
-    client: InferenceClient,
+    client: GenerationClient,
     env: AnyEnvironment,
     task: Task,
     num_samples: int,
@@ -111,7 +111,7 @@ async def evaluate_multi_turn_task(
 
 
 def fixed_policy_turns(
-    client: InferenceClient, sampling: SamplingConfig, limiter: CompletionLimiter, policy_version: int
+    client: GenerationClient, sampling: SamplingConfig, limiter: CompletionLimiter, policy_version: int
 ) -> TurnRequester:
     """Model turns of an evaluation: the served policy is held at `policy_version` (its tokens and cache salt),
     each turn within `limiter` and the client's request timeout."""

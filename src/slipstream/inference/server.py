@@ -118,7 +118,7 @@ def _has_cuda() -> bool:
 def run_inference(config: InferenceConfig) -> int:
     """Resolve the model folder and replace this process with the vLLM server."""
     from slipstream.inference.admin_token import TOKEN_ENV
-    from slipstream.models.hub import resolve_model_config
+    from slipstream.models.resolve import resolve_model_config
     from slipstream.monitor.logs import setup_logging
 
     setup_logging("inference")

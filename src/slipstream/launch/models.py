@@ -11,7 +11,7 @@ def resolve_run_model(config: RLConfig) -> RLConfig:
     """`config` with `model.path` set to the local folder of `model.name` (at `model.revision`), at the top level and
     in every section that has a model; `model.name` is kept, as it is the name inference serves the model under.
     Raises ValueError (what was tried and the fix) if the model cannot be found or downloaded."""
-    from slipstream.models.hub import resolve_model_config
+    from slipstream.models.resolve import resolve_model_config
 
     path = resolve_model_config(config.model)
     if path == config.model.path:

@@ -148,7 +148,7 @@ def model_attention_heads(name: str) -> int | None:
 
 
 def _local_config_json(name: str) -> Path | None:
-    from slipstream.models.hub import default_cache_dir
+    from slipstream.models.cache import default_cache_dir
 
     for folder in (Path(name).expanduser(), default_cache_dir() / "models" / name):
         if (folder / "config.json").is_file():

@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.action == "import":
-        from slipstream.models.hub import import_model
+        from slipstream.models.gguf_import import import_model
 
         try:
             path = import_model(args.source, cache_dir=args.cache_dir, force=args.force)

@@ -10,7 +10,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from slipstream.models.hub import check_replaceable, finalize_model_dir
+from slipstream.models.cache import check_replaceable, finalize_model_dir
 from slipstream.utils.fs import commit_dir
 
 FAMILIES = (

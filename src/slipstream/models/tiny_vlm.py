@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from slipstream.models.hub import check_replaceable, finalize_model_dir
+from slipstream.models.cache import check_replaceable, finalize_model_dir
 from slipstream.models.tiny import MAX_POSITIONS, build_tokenizer
 from slipstream.models.vlm_inputs import IMAGE_PAD
 from slipstream.utils.fs import commit_dir

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from slipstream.config.orchestrator import ConcurrencyConfig
-from slipstream.orchestrator.client import InferenceError
+from slipstream.rollout.client import InferenceError
 
 WAITING = "vllm:num_requests_waiting"
 PREEMPTIONS = "vllm:num_preemptions_total"

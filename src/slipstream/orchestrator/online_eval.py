@@ -18,9 +18,10 @@ from slipstream.envs.base import AnyEnvironment
 from slipstream.eval.evaluate import evaluate
 from slipstream.eval.results import EVAL_METRIC_PREFIX, EvalResult
 from slipstream.eval.run import format_summary
-from slipstream.orchestrator.client import InferenceClient, InferenceUnavailable
+from slipstream.orchestrator.client import InferenceClient
 from slipstream.orchestrator.ledger import Signal
 from slipstream.orchestrator.weights import WeightRelay
+from slipstream.rollout.client import InferenceUnavailable
 from slipstream.rundir import RunDir
 from slipstream.utils.fs import append_line
 

@@ -8,7 +8,7 @@ the served policy fixed (`hold()`): updates wait until it ends. Verification sco
 trainer's probe tokens on inference and compares log-probs, so a failed or partial weight update (a frozen or
 corrupted policy) is caught instead of training silently.
 
-When inference is lost (it died and is being restarted: client.py raises InferenceUnavailable), new requests are
+When inference is lost (it died and is being restarted: rollout/client.py raises InferenceUnavailable), new requests are
 held back and the relay recovers: it polls /health with exponential backoff (at most `recovery.timeout_s`), loads
 the served version again on the server that answers, verifies it with the probe, and only then lets requests go.
 """
@@ -24,8 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from slipstream.config.orchestrator import OrchestratorConfig
-from slipstream.orchestrator.client import InferenceClient, InferenceUnavailable
+from slipstream.orchestrator.client import InferenceClient
 from slipstream.orchestrator.weight_loads import WeightLoader
+from slipstream.rollout.client import InferenceUnavailable
 from slipstream.rollout.record import cache_salt
 from slipstream.rundir import RunDir, prune_weights, step_dirs, weights_to_keep
 from slipstream.transport.checkpoints import committed_run_steps, resume_weight_steps

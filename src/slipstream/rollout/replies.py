@@ -7,8 +7,8 @@ import math
 from typing import TYPE_CHECKING
 
 from slipstream.envs.base import Task
-from slipstream.orchestrator.client import InferenceError
 from slipstream.orchestrator.routing import decode_routed_experts
+from slipstream.rollout.client import InferenceError
 from slipstream.rollout.record import MISSING_LOGPROB, Rollout
 
 if TYPE_CHECKING:

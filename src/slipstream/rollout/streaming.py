@@ -16,7 +16,7 @@ from typing import Any
 
 from slipstream.envs.base import Message, Task
 from slipstream.envs.rollout import ModelTurn
-from slipstream.orchestrator.client import InferenceError
+from slipstream.rollout.client import InferenceError
 from slipstream.rollout.record import MISSING_LOGPROB, Rollout
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from slipstream.envs.base import Message, Task, ToolSchema
 from slipstream.envs.rollout import ModelFn, ModelTurn, StopRollout
-from slipstream.orchestrator.client import ContextLengthError, InferenceClient, InferenceError
+from slipstream.rollout.client import ContextLengthError, GenerationClient, InferenceError
 from slipstream.rollout.limiter import CompletionLimiter
 from slipstream.rollout.record import Rollout, cache_salt
 from slipstream.rollout.replies import parse_chat_response
@@ -34,7 +34,7 @@ def check_not_aborted(task: Task, finish_reasons: list[str | None]) -> None:
 
 
 async def sample_completions(
-    client: InferenceClient,
+    client: GenerationClient,
     task: Task,
     params: Mapping[str, Any],
     n: int,
@@ -94,7 +94,7 @@ class TurnRequester:
     (None: none) bounds the turns in flight, one unit each.
     """
 
-    client: InferenceClient
+    client: GenerationClient
     sampling: Mapping[str, Any]
     request_timeout_s: float
     ready: Callable[[], Awaitable[int]]

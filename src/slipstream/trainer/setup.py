@@ -271,7 +271,7 @@ def teardown_trainer(trainer: Trainer) -> None:
 def resolve_model_once(model: ModelConfig, info: RankInfo) -> Path:
     """The folder of `model`: `model.path` when the launcher resolved it; else rank 0 resolves first (an alias is
     imported, a hub id downloaded, only once) and the other ranks then read it from the cache without downloading."""
-    from slipstream.models.hub import resolve_model_config
+    from slipstream.models.resolve import resolve_model_config
 
     path = resolve_model_config(model) if info.is_main else None
     barrier()
