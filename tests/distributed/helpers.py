@@ -44,6 +44,69 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> None:
     mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
 
 
+Job = tuple[int, Callable[..., Any], tuple]
+"""(world size, fn, args) of one multi-rank run: `run_ranks(world_size, fn, *args)`."""
+
+
+def _run_jobs(jobs: list[tuple[str, Callable[..., Any], tuple]], done_dir: Path) -> None:
+    """In every rank: run each job in turn in one process group (setup_trainer joins it rather than creating its
+    own); rank 0 marks `done_dir/<name>` once every rank has finished the job."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    for name, fn, args in jobs:
+        fn(*args)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            (done_dir / name).touch()
+    dist.destroy_process_group()
+
+
+class BatchedRanks:
+    """The multi-rank runs of a module's parity cases with one spawn per world size instead of one per case: starting
+    2-4 processes that import torch and Slipstream takes longer than training a tiny model for a few steps. (The
+    single-process references already run case after case in the pytest process; each run seeds and builds all it
+    uses.) `make_job(name, folder)` writes a case's inputs under `folder` and returns its Job; the jobs of every case
+    this session selected run on the first `run(name)`. A case whose batch failed before it finished runs alone in a
+    fresh folder, as it did before batching, so a failure is reported by its own test with its own traceback."""
+
+    def __init__(self, root: Path, names: list[str], make_job: Callable[[str, Path], Job]) -> None:
+        self.root, self.names, self.make_job = root, names, make_job
+        self.folders: dict[str, Path] = {}
+        self.started = False
+
+    def run(self, name: str) -> Path:
+        """Run (or have run) the case's job; returns the folder holding its inputs and outputs."""
+        done = self.root / "done"
+        if not self.started:
+            self.started = True
+            done.mkdir(parents=True)
+            by_size: dict[int, list[tuple[str, Callable[..., Any], tuple]]] = {}
+            for n in self.names:
+                self.folders[n] = self.root / "batched" / n
+                self.folders[n].mkdir(parents=True)
+                world_size, fn, args = self.make_job(n, self.folders[n])
+                by_size.setdefault(world_size, []).append((n, fn, args))
+            for world_size, jobs in by_size.items():
+                try:
+                    run_ranks(world_size, _run_jobs, jobs, done)
+                except Exception as e:  # mp.ProcessRaisedException/ProcessExitedException: unfinished jobs rerun alone
+                    print(f"batched {world_size}-rank jobs stopped ({type(e).__name__}); unfinished ones run alone")
+        if not (done / name).exists():
+            self.folders[name] = self.root / "alone" / name
+            self.folders[name].mkdir(parents=True)
+            world_size, fn, args = self.make_job(name, self.folders[name])
+            run_ranks(world_size, fn, *args)
+            (done / name).touch()
+        return self.folders[name]
+
+
+def selected_params(request: Any, param: str) -> list[Any]:
+    """Values of parameter `param` of the tests of the requesting module that this session runs (after -k/-m)."""
+    items = [item for item in request.session.items if item.module is request.module and hasattr(item, "callspec")]
+    return list(dict.fromkeys(item.callspec.params[param] for item in items if param in item.callspec.params))
+
+
 REPLAY_SHAPE = (2, 2, 8)
 """(MoE layers, top-k, experts) of the tiny qwen3_moe: the routing `micro_batch(..., replay=True)` carries."""
 

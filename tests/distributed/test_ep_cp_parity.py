@@ -10,7 +10,7 @@ import torch
 from slipstream.config.shared import ModelConfig
 from slipstream.config.trainer import LossConfig, OptimConfig, ParallelConfig, TrainerConfig
 from slipstream.trainer.policy import load_model
-from tests.distributed.helpers import run_ranks, train_and_record, write_step_batches
+from tests.distributed.helpers import BatchedRanks, selected_params, train_and_record, write_step_batches
 
 NUM_STEPS = 5
 CASES = {
@@ -80,21 +80,31 @@ def _config(model_dir, output_dir, parallel, loss_kind):
     )
 
 
+@pytest.fixture(scope="module")
+def multi_rank_runs(request, tiny_model_factory, tmp_path_factory):
+    """The multi-rank runs of the selected cases, in one spawn per world size (see BatchedRanks)."""
+
+    def make_job(case, folder):
+        family, world_size, num_data_ranks, parallel, loss_kind = CASES[case]
+        write_step_batches(folder / "multi", NUM_STEPS, world_size=num_data_ranks, replay=case.endswith("-replay"))
+        config = _config(tiny_model_factory(family), folder / "multi", parallel, loss_kind)
+        return world_size, train_and_record, (config, folder / "multi.pt", NUM_STEPS)
+
+    return BatchedRanks(tmp_path_factory.mktemp("ep_cp_parity"), selected_params(request, "case"), make_job)
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_ep_and_cp_match_one_process(tiny_model_factory, tmp_path, case):
+def test_ep_and_cp_match_one_process(tiny_model_factory, tmp_path, case, multi_rank_runs):
     family, world_size, num_data_ranks, parallel, loss_kind = CASES[case]
     model_dir = tiny_model_factory(family)
-    multi, single = tmp_path / "multi", tmp_path / "single"
+    single = tmp_path / "single"
     replay = case.endswith("-replay")
-    write_step_batches(multi, NUM_STEPS, world_size=num_data_ranks, replay=replay)
     write_step_batches(single, NUM_STEPS, world_size=num_data_ranks, as_single_rank=True, replay=replay)
 
-    run_ranks(
-        world_size, train_and_record, _config(model_dir, multi, parallel, loss_kind), tmp_path / "multi.pt", NUM_STEPS
-    )
+    multi_pt = multi_rank_runs.run(case) / "multi.pt"
     reference_parallel = ParallelConfig(activation_checkpointing=parallel.activation_checkpointing)
     train_and_record(_config(model_dir, single, reference_parallel, loss_kind), tmp_path / "single.pt", NUM_STEPS)
-    got, want = torch.load(tmp_path / "multi.pt"), torch.load(tmp_path / "single.pt")
+    got, want = torch.load(multi_pt), torch.load(tmp_path / "single.pt")
 
     assert got["grads"].keys() == want["grads"].keys()
     grad_diff = max((got["grads"][k] - g).abs().max().item() for k, g in want["grads"].items())

@@ -9,7 +9,7 @@ import torch
 from slipstream.config.shared import ModelConfig
 from slipstream.config.trainer import OptimConfig, ParallelConfig, TrainerConfig
 from slipstream.trainer.policy import load_model
-from tests.distributed.helpers import run_ranks, train_and_record, write_step_batches
+from tests.distributed.helpers import BatchedRanks, selected_params, train_and_record, write_step_batches
 
 NUM_STEPS = 5
 CASES = {
@@ -43,20 +43,36 @@ def _config(model_dir, impl, output_dir, parallel, dtype):
     )
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_two_ranks_match_one_process(tiny_model_factory, tmp_path, case):
-    family, impl, parallel = CASES[case]
+def _dtype(case):
     # bf16 on CPU: FSDP keeps float32 parameters and both runs use bf16 autocast, so they still agree closely.
-    dtype = "bfloat16" if case.endswith("bf16") else "float32"
+    return "bfloat16" if case.endswith("bf16") else "float32"
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(request, tiny_model_factory, tmp_path_factory):
+    """The 2-rank runs of the selected cases, in one spawn (see BatchedRanks)."""
+
+    def make_job(case, folder):
+        family, impl, parallel = CASES[case]
+        write_step_batches(folder / "multi", NUM_STEPS, world_size=2)
+        config = _config(tiny_model_factory(family), impl, folder / "multi", parallel, _dtype(case))
+        return 2, train_and_record, (config, folder / "multi.pt", NUM_STEPS)
+
+    return BatchedRanks(tmp_path_factory.mktemp("fsdp_parity"), selected_params(request, "case"), make_job)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_match_one_process(tiny_model_factory, tmp_path, case, two_rank_runs):
+    family, impl, parallel = CASES[case]
+    dtype = _dtype(case)
     model_dir = tiny_model_factory(family)
-    multi, single = tmp_path / "multi", tmp_path / "single"
-    write_step_batches(multi, NUM_STEPS, world_size=2)
+    single = tmp_path / "single"
     write_step_batches(single, NUM_STEPS, world_size=2, as_single_rank=True)
 
-    run_ranks(2, train_and_record, _config(model_dir, impl, multi, parallel, dtype), tmp_path / "multi.pt", NUM_STEPS)
+    multi_pt = two_rank_runs.run(case) / "multi.pt"
     reference_parallel = ParallelConfig(activation_checkpointing=parallel.activation_checkpointing)
     train_and_record(_config(model_dir, impl, single, reference_parallel, dtype), tmp_path / "single.pt", NUM_STEPS)
-    got, want = torch.load(tmp_path / "multi.pt"), torch.load(tmp_path / "single.pt")
+    got, want = torch.load(multi_pt), torch.load(tmp_path / "single.pt")
 
     assert got["grads"].keys() == want["grads"].keys()
     grad_diff = max((got["grads"][k] - g).abs().max().item() for k, g in want["grads"].items())

@@ -10,29 +10,37 @@ from slipstream.monitor.metrics import read_metrics
 from slipstream.rundir import RunDir
 from slipstream.trainer.lora_export import ADAPTER_DIR, ADAPTER_WEIGHTS
 from slipstream.trainer.sft import run_sft
-from tests.distributed.helpers import run_ranks
+from tests.distributed.helpers import BatchedRanks, selected_params
 from tests.unit.test_lora_sft import _config
 
+# lr 1e-3 as the full-parameter parity test: Adam turns float noise on near-zero gradients into whole steps.
+COMMON = dict(max_steps=3, batch_size=5, val_interval=None, optim={"lr": 1e-3})
+PARALLEL = {"qwen3": {"activation_checkpointing": True}, "qwen3_moe": {"ep": 2}}
 
-@pytest.mark.parametrize(
-    ("family", "parallel"),
-    [("qwen3", {"activation_checkpointing": True}), ("qwen3_moe", {"ep": 2})],
-    ids=["qwen3-fsdp-ac", "qwen3_moe-fsdp-ep"],
-)
-def test_lora_sft_two_ranks_equals_one_process(family, parallel, tiny_model_factory, tmp_path):
+
+@pytest.fixture(scope="module")
+def two_rank_runs(request, tiny_model_factory, tmp_path_factory):
+    """The 2-rank runs of the selected families, in one spawn (see BatchedRanks)."""
+
+    def make_job(family, folder):
+        two = _config(tiny_model_factory(family), folder, folder / "two", **COMMON)
+        two.parallel = two.parallel.model_copy(update=PARALLEL[family])
+        return 2, run_sft, (two,)
+
+    return BatchedRanks(tmp_path_factory.mktemp("lora_fsdp"), selected_params(request, "family"), make_job)
+
+
+@pytest.mark.parametrize("family", list(PARALLEL), ids=["qwen3-fsdp-ac", "qwen3_moe-fsdp-ep"])
+def test_lora_sft_two_ranks_equals_one_process(family, tiny_model_factory, tmp_path, two_rank_runs):
     model_dir = tiny_model_factory(family)
-    # lr 1e-3 as the full-parameter parity test: Adam turns float noise on near-zero gradients into whole steps.
-    common = dict(max_steps=3, batch_size=5, val_interval=None, optim={"lr": 1e-3})
-    one = _config(model_dir, tmp_path, tmp_path / "one", **common)
-    two = _config(model_dir, tmp_path, tmp_path / "two", **common)
-    two.parallel = two.parallel.model_copy(update=parallel)
+    one = _config(model_dir, tmp_path, tmp_path / "one", **COMMON)
+    two_dir = two_rank_runs.run(family) / "two"  # trained on a copy of the same (seeded) data
     run_sft(one)
-    run_ranks(2, run_sft, two)
-    for a, b in zip(read_metrics(one.output_dir), read_metrics(two.output_dir), strict=True):
+    for a, b in zip(read_metrics(one.output_dir), read_metrics(two_dir), strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 and a["num_loss_tokens"] == b["num_loss_tokens"]
     for name in (f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}", "model.safetensors"):
         w1 = load_file(RunDir(one.output_dir).weights_dir(3) / name)
-        w2 = load_file(RunDir(two.output_dir).weights_dir(3) / name)
+        w2 = load_file(RunDir(two_dir).weights_dir(3) / name)
         assert w1.keys() == w2.keys()
         for k in w1:
             torch.testing.assert_close(w1[k], w2[k], rtol=0, atol=1e-5)

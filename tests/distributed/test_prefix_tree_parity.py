@@ -9,7 +9,7 @@ import torch
 from slipstream.config.shared import ModelConfig
 from slipstream.config.trainer import LossConfig, OptimConfig, ParallelConfig, TrainerConfig
 from slipstream.transport.rollouts import TrainingBatch, write_batch
-from tests.distributed.helpers import run_ranks, train_and_record
+from tests.distributed.helpers import BatchedRanks, selected_params, train_and_record
 from tests.distributed.tree_batches import group_samples, plain_micro_batch, tree_micro_batch
 
 NUM_STEPS = 3
@@ -65,19 +65,29 @@ def _config(model_dir, output_dir, parallel, loss_kind):
     )
 
 
+@pytest.fixture(scope="module")
+def multi_rank_runs(request, tiny_model_factory, tmp_path_factory):
+    """The 2-rank runs of the selected cases, in one spawn (see BatchedRanks)."""
+
+    def make_job(case, folder):
+        family, world_size, num_data_ranks, parallel, loss_kind, replay = CASES[case]
+        _write(folder / "multi", num_data_ranks, replay, as_trees=True)
+        config = _config(tiny_model_factory(family), folder / "multi", parallel, loss_kind)
+        return world_size, train_and_record, (config, folder / "multi.pt", NUM_STEPS)
+
+    return BatchedRanks(tmp_path_factory.mktemp("tree_parity"), selected_params(request, "case"), make_job)
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_trees_on_two_ranks_match_one_by_one(tiny_model_factory, tmp_path, case):
+def test_trees_on_two_ranks_match_one_by_one(tiny_model_factory, tmp_path, case, multi_rank_runs):
     family, world_size, num_data_ranks, parallel, loss_kind, replay = CASES[case]
     model_dir = tiny_model_factory(family)
-    multi, single = tmp_path / "multi", tmp_path / "single"
-    _write(multi, num_data_ranks, replay, as_trees=True)
+    single = tmp_path / "single"
     _write(single, num_data_ranks, replay, as_trees=False)
 
-    run_ranks(
-        world_size, train_and_record, _config(model_dir, multi, parallel, loss_kind), tmp_path / "multi.pt", NUM_STEPS
-    )
+    multi_pt = multi_rank_runs.run(case) / "multi.pt"
     train_and_record(_config(model_dir, single, ParallelConfig(), loss_kind), tmp_path / "single.pt", NUM_STEPS)
-    got, want = torch.load(tmp_path / "multi.pt"), torch.load(tmp_path / "single.pt")
+    got, want = torch.load(multi_pt), torch.load(tmp_path / "single.pt")
 
     assert got["grads"].keys() == want["grads"].keys()
     for name, grad in want["grads"].items():

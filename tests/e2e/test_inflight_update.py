@@ -2,18 +2,22 @@
 pause(keep) -> load -> resume driven by the orchestrator's WeightRelay. It completes with all the tokens it asked
 for, its tokens are stamped v0 then v1, the update's probe check passes, and every token's log-prob is what the
 trainer computes: the old weights for v0 tokens; for v1 tokens the new weights reading the KV cache the old weights
-wrote (nothing is recomputed at resume)."""
+wrote (nothing is recomputed at resume).
+
+The server is shared with test_admin_endpoints_need_the_token (moved here from test_inference_admin.py): one vLLM
+start (~25 s on the 2-core CI machine) for both tests."""
 
 import asyncio
 import os
 import subprocess
 import sys
 
+import httpx
 import pytest
 import torch
 
 from slipstream.config.orchestrator import OrchestratorConfig
-from slipstream.inference.admin_token import TOKEN_ENV
+from slipstream.inference.admin_token import HEADER, TOKEN_ENV
 from slipstream.orchestrator.client import InferenceClient
 from slipstream.orchestrator.weights import WeightRelay
 from slipstream.rollout.record import cache_salt
@@ -31,11 +35,46 @@ TOLERANCE = 1e-3  # fp32 vLLM CPU vs fp32 transformers: ~1e-5 in practice (see t
 MESSAGES = [{"role": "user", "content": "Count slowly from one to one hundred, one number per line."}]
 
 
+TOKEN = "inflight-e2e"
+
+
 def start_server(model_dir, port: int, log_path, token: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "slipstream", "inference", "--model.name", str(model_dir), "--port", str(port)]
     argv += ["--max_model_len", "1024", "--max_num_seqs", "4"]
     with open(log_path, "wb") as log:
         return subprocess.Popen(argv, env={**os.environ, TOKEN_ENV: token}, stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_qwen3_dir, tmp_path_factory):
+    """`slipstream inference` on the tiny Qwen3 with admin token TOKEN, started once for this module's tests: its URL.
+    The admin test leaves it resumed and serving the model's own weights; only the in-flight test loads others."""
+    port, log_path = free_port(), tmp_path_factory.mktemp("inference") / "inference.log"
+    server = start_server(tiny_qwen3_dir, port, log_path, TOKEN)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(server, url, log_path)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def test_admin_endpoints_need_the_token(tiny_server):
+    """The real vLLM server started by `slipstream inference` rejects admin calls without the run's token."""
+    url = tiny_server
+    for path in ("/pause", "/resume", "/collective_rpc", "/reset_prefix_cache"):
+        assert httpx.post(f"{url}{path}", timeout=10).status_code == 401, path
+        assert httpx.post(f"{url}{path}", headers={HEADER: "wrong"}, timeout=10).status_code == 401, path
+    good = {HEADER: TOKEN}
+    assert httpx.post(f"{url}/pause", params={"mode": "keep"}, headers=good, timeout=30).status_code == 200
+    assert httpx.get(f"{url}/is_paused", headers=good, timeout=10).json() == {"is_paused": True}
+    assert httpx.post(f"{url}/resume", headers=good, timeout=30).status_code == 200
+    assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 200  # inference routes stay open
 
 
 def perturbed_copy(model_dir, output_dir) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -68,26 +107,15 @@ def expected_logprobs(old, new, prompt_ids: list[int], completion_ids: list[int]
     return logprobs[len(prompt_ids) - 1 :].tolist()
 
 
-def test_a_streamed_request_continues_across_an_inflight_update(tiny_qwen3_dir, tmp_path, monkeypatch):
-    token, port = "inflight-e2e", free_port()
-    monkeypatch.setenv(TOKEN_ENV, token)  # the orchestrator's client sends it with admin calls
-    url, log_path, out = f"http://127.0.0.1:{port}", tmp_path / "inference.log", tmp_path / "run"
-    server = start_server(tiny_qwen3_dir, port, log_path, token)
-    try:
-        old, new = perturbed_copy(tiny_qwen3_dir, out)
-        wait_healthy(server, url, log_path)
-        config = OrchestratorConfig(
-            model={"name": str(tiny_qwen3_dir)}, output_dir=out, max_steps=1, inference_url=url,
-            weight_check={"max_abs_diff": TOLERANCE},
-        )  # fmt: skip
-        chat, at_update, instance = asyncio.run(stream_across_update(config))
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+def test_a_streamed_request_continues_across_an_inflight_update(tiny_qwen3_dir, tmp_path, monkeypatch, tiny_server):
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)  # the orchestrator's client sends it with admin calls
+    url, out = tiny_server, tmp_path / "run"
+    old, new = perturbed_copy(tiny_qwen3_dir, out)
+    config = OrchestratorConfig(
+        model={"name": str(tiny_qwen3_dir)}, output_dir=out, max_steps=1, inference_url=url,
+        weight_check={"max_abs_diff": TOLERANCE},
+    )  # fmt: skip
+    chat, at_update, instance = asyncio.run(stream_across_update(config))
 
     assert instance is not None  # the server names its start (X-Slipstream-Instance), for restart detection
     prompt_ids = chat.check_complete("inflight")  # every choice finished, usage counts every streamed token

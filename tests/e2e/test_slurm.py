@@ -62,29 +62,6 @@ def _wait_gone(marker: str, timeout_s: float = 20) -> None:
     assert processes_with_marker(marker) == [], "processes left behind by the job"
 
 
-@pytest.mark.timeout(900)
-def test_job_trains_three_steps_and_writes_per_node_logs(slurm_cluster, tiny_qwen3_dir, tmp_path, run_env):
-    marker, env = run_env
-    out = tmp_path / "run"
-    config = tiny_rl_config(tiny_qwen3_dir, out, max_steps=3)
-    config["slurm"] = {"wait": True, "job_name": "tiny"}
-    start = time.monotonic()
-    proc = _rl(write_config(tmp_path / "rl.toml", config), {**slurm_cluster.env, **env})
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{_logs(out)}"
-    job = _job_id(proc.stdout)
-    assert [m["step"] for m in _metrics(out)] == [1, 2, 3]
-    info = slurm_cluster.scontrol_job(job)
-    assert (info["JobState"], info["ExitCode"], info["JobName"]) == ("COMPLETED", "0:0", "tiny")
-    node_log = (out / "slurm" / "logs" / f"job_{job}_node_0.log").read_text()
-    assert "role all" in node_log and "done: 3 steps" in node_log, node_log
-    assert f"job {job} on localhost" in (out / "slurm" / "logs" / f"job_{job}.log").read_text()
-    for role in ("inference", "trainer", "orchestrator"):
-        assert RunDir(out).log_path(role).stat().st_size > 0, role
-    assert (out / "slurm" / f"job_{job}" / "all.exit").read_text().strip() == "0"
-    _wait_gone(marker)
-    print(f"slurm job of 3 steps: {time.monotonic() - start:.0f}s")
-
-
 def test_a_failing_node_fails_the_job_with_its_exit_code(slurm_cluster, tiny_qwen3_dir, tmp_path):
     out = tmp_path / "run"
     config = tiny_rl_config(tiny_qwen3_dir, out, max_steps=3)
@@ -97,12 +74,18 @@ def test_a_failing_node_fails_the_job_with_its_exit_code(slurm_cluster, tiny_qwe
 
 
 @pytest.mark.timeout(1200)
-def test_scancel_leaves_nothing_and_resume_continues_in_a_new_job(slurm_cluster, tiny_qwen3_dir, tmp_path, run_env):
+def test_scancel_leaves_nothing_and_resume_trains_to_the_end_in_a_new_job_with_per_node_logs(
+    slurm_cluster, tiny_qwen3_dir, tmp_path, run_env
+):
+    """scancel mid-run, then `--resume` with `--slurm.wait`: the second job trains every remaining step, exits 0 through
+    `sbatch --wait` and writes the per-node logs. Merged with test_job_trains_three_steps_and_writes_per_node_logs,
+    whose fresh 3-step job started the same processes and wrote the same logs as this resumed one (its assertions are
+    the block after the resume): one Slurm job and one vLLM start less in the suite."""
     marker, env = run_env
     env = {**slurm_cluster.env, **env}
     out, max_steps = tmp_path / "run", 60
     config = tiny_rl_config(tiny_qwen3_dir, out, max_steps=max_steps, checkpoint={"interval": 1, "keep_last": 2})
-    config["slurm"] = {}
+    config["slurm"] = {"job_name": "tiny"}
     path = write_config(tmp_path / "rl.toml", config)
     proc = _rl(path, env, timeout=60)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
@@ -120,7 +103,9 @@ def test_scancel_leaves_nothing_and_resume_continues_in_a_new_job(slurm_cluster,
     done = [m["step"] for m in _metrics(out)] if (out / "metrics.jsonl").exists() else []
     assert len(done) < max_steps, "the job finished before scancel: the test cannot check a cancel"
     last = RunDir(out).committed_checkpoint_steps()[-1]
+    log_sizes = {role: RunDir(out).log_path(role).stat().st_size for role in ("inference", "trainer", "orchestrator")}
 
+    start = time.monotonic()
     proc = _rl(path, env, "--resume", "--slurm.wait", "true", timeout=900)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{_logs(out)}"
     second = _job_id(proc.stdout)
@@ -128,7 +113,16 @@ def test_scancel_leaves_nothing_and_resume_continues_in_a_new_job(slurm_cluster,
     resumed = re.search(r"resuming \S+ after step (\d+)", node_log)
     assert resumed and int(resumed.group(1)) >= last, node_log
     assert [m["step"] for m in _metrics(out)] == list(range(1, max_steps + 1))
+    # the completed job: its state, exit code and name in Slurm, its node's and the job's logs, each role's log
+    info = slurm_cluster.scontrol_job(second)
+    assert (info["JobState"], info["ExitCode"], info["JobName"]) == ("COMPLETED", "0:0", "tiny")
+    assert "role all" in node_log and f"done: {max_steps} steps" in node_log, node_log
+    assert f"job {second} on localhost" in (out / "slurm" / "logs" / f"job_{second}.log").read_text()
+    for role, size in log_sizes.items():
+        assert RunDir(out).log_path(role).stat().st_size > size, role  # written by this job too
+    assert (out / "slurm" / f"job_{second}" / "all.exit").read_text().strip() == "0"
     _wait_gone(marker)
+    print(f"resumed slurm job: {time.monotonic() - start:.0f}s")
 
 
 @pytest.mark.timeout(900)
