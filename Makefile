@@ -5,6 +5,7 @@ EXTRA ?= cpu
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRA)
 DEMO_CONFIG ?= examples/reverse_text/rl.toml
+DEMO_SFT_CONFIG ?= examples/reverse_text/sft.toml
 
 .PHONY: setup demo test test-unit test-e2e lint format
 
@@ -29,8 +30,11 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# SFT warm-up on the environment's own solved examples, then RL from the fine-tuned model (rl.toml's model.name)
 demo: setup
 	$(PY) -m slipstream model import smollm2-135m-instruct
+	$(PY) examples/reverse_text/make_sft_data.py
+	$(PY) -m slipstream sft -c $(DEMO_SFT_CONFIG)
 	$(PY) -m slipstream rl -c $(DEMO_CONFIG)
 
 # pytest exit code 5 (no tests collected) must fail, not pass
