@@ -119,6 +119,8 @@ def test_sft_trains_checkpoints_resumes_bit_exactly_and_exports(tiny_qwen3_dir, 
     with pytest.raises(ValueError, match="trained on 10 samples, the training files now hold 11"):
         DataCursor.read(cursor_path, 11)
     assert "step 4/4" in capsys.readouterr().out
+    plots = RunDir(full).plots_dir  # drawn at the end: training loss with the validation points, grad norm, ...
+    assert {"loss.png", "grad_norm.png", "overview.png"} <= {p.name for p in plots.iterdir()}
 
     # Interrupted after step 2 (its checkpoint), then resumed to step 4.
     part = tmp_path / "part"

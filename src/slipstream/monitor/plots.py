@@ -101,6 +101,8 @@ def build_panels(
     )
     eval_series = [s for s in (online_eval, offline_eval) if s.steps]
     kl = metric_series(metrics, "mismatch_kl", "mismatch_kl")
+    validation = metric_series(metrics, "val/loss", "validation (SFT)")
+    validation.markers, validation.color = True, "C1"
     sync = metric_series(weight_checks, "max_abs_diff", "max |trainer - inference| log-prob")
     candidates = [
         Panel("reward", "Reward (train ± std, held-out ± stderr)", "reward",
@@ -111,7 +113,7 @@ def build_panels(
             metric_series(metrics, "timing/step_s", "trainer step"),
             metric_series(metrics, "timing/generate_s", "rollout generation"),
         ]),
-        Panel("loss", "Loss", "loss", [metric_series(metrics, "loss", "loss")]),
+        Panel("loss", "Loss", "loss", [metric_series(metrics, "loss", "loss"), validation]),
         Panel("grad_norm", "Gradient norm (before clipping)", "norm", [metric_series(metrics, "grad_norm", "grad_norm")]),
         Panel("weight_sync", "Weight-sync check", "max abs diff", [sync], log_y=_all_positive(sync)),
     ]  # fmt: skip

@@ -72,6 +72,11 @@ def run_sft(config: SFTConfig) -> None:
                 log.info(format_progress(step, config.max_steps, writer.write(step, metrics)))
             maybe_checkpoint_sft(trainer, trainer_config, step, cursor, len(data.train))
         export_model(trainer, trainer_config)
+        if writer is not None:
+            from slipstream.monitor.plots import write_plots
+
+            paths = write_plots(config.output_dir)
+            log.info(f"plots: {', '.join(p.name for p in paths)} in {RunDir(config.output_dir).plots_dir}")
         barrier()
     finally:
         teardown_trainer(trainer)
