@@ -8,6 +8,7 @@ import json
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from slipstream.models.cache import check_replaceable, finalize_model_dir
@@ -231,7 +232,7 @@ def _add_hub_style_num_experts(config_path: Path) -> None:
 def build_tiny_model(family: str, out_dir: Path, seed: int = 0, vocab_size: int = 512) -> Path:
     """Build a random tiny `family` model + tokenizer into `out_dir` (replaced atomically if it is a model folder)."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     if family not in FAMILIES:
         raise ValueError(f"unknown tiny model family '{family}' (known: {', '.join(FAMILIES)})")
@@ -261,6 +262,16 @@ def build_tiny_model(family: str, out_dir: Path, seed: int = 0, vocab_size: int 
             for name, param in model.named_parameters():
                 if name.endswith(("router.gate.weight", "mlp.expert_bias")):
                     param.normal_(0.0, 0.1)
+    extra = (lambda folder: _add_hub_style_num_experts(folder / "config.json")) if family == "qwen3_moe" else None
+    save_model_folder(model, tokenizer, out_dir, extra)
+    return out_dir
+
+
+def save_model_folder(model, tokenizer, out_dir: Path, write_extra: Callable[[Path], None] | None = None) -> None:
+    """Save a built model + tokenizer (and whatever `write_extra` adds to the folder) into `out_dir`, atomically:
+    written in a temp folder beside it, made portable (models/cache.py finalize_model_dir), then renamed into place."""
+    from transformers import GenerationConfig
+
     model.generation_config = GenerationConfig(
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
@@ -269,11 +280,10 @@ def build_tiny_model(family: str, out_dir: Path, seed: int = 0, vocab_size: int 
     try:
         model.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
+        if write_extra is not None:
+            write_extra(tmp_dir)
         finalize_model_dir(tmp_dir, MAX_POSITIONS)
-        if family == "qwen3_moe":
-            _add_hub_style_num_experts(tmp_dir / "config.json")
         commit_dir(tmp_dir, out_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    return out_dir

@@ -7,14 +7,11 @@ the CPU torch here cannot load: docs/vlm.md). A 64x64 image is 4x4 patches, merg
 """
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
-from slipstream.models.cache import check_replaceable, finalize_model_dir
-from slipstream.models.tiny import MAX_POSITIONS, build_tokenizer
+from slipstream.models.cache import check_replaceable
+from slipstream.models.tiny import MAX_POSITIONS, build_tokenizer, save_model_folder
 from slipstream.models.vlm_inputs import IMAGE_PAD
-from slipstream.utils.fs import commit_dir
 
 VLM_FAMILY = "qwen3_vl"
 """`slipstream model tiny --family qwen3_vl` builds this module's model."""
@@ -104,7 +101,7 @@ def _write_processor_files(folder: Path) -> None:
 def build_tiny_vlm(out_dir: Path, seed: int = 0, vocab_size: int = 512) -> Path:
     """Build a random tiny Qwen3-VL + tokenizer + processor into `out_dir` (replaced atomically if a model folder)."""
     import torch
-    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration
 
     if vocab_size < 304:
         raise ValueError(f"vocab_size must be >= 304 (256 bytes + specials + vision tokens + merges), got {vocab_size}")
@@ -116,19 +113,10 @@ def build_tiny_vlm(out_dir: Path, seed: int = 0, vocab_size: int = 512) -> Path:
     config = build_vlm_config(vocab_size, tokenizer)
     torch.manual_seed(seed)
     model = Qwen3VLForConditionalGeneration(config).to(torch.float32)
-    model.generation_config = GenerationConfig(
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    try:
-        model.save_pretrained(tmp_dir)
-        tokenizer.save_pretrained(tmp_dir)
-        build_image_processor().save_pretrained(tmp_dir)
-        _write_processor_files(tmp_dir)
-        finalize_model_dir(tmp_dir, MAX_POSITIONS)
-        commit_dir(tmp_dir, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
+
+    def write_processor(folder: Path) -> None:
+        build_image_processor().save_pretrained(folder)
+        _write_processor_files(folder)
+
+    save_model_folder(model, tokenizer, out_dir, write_processor)
     return out_dir
