@@ -59,3 +59,23 @@ def test_protocol_registry_and_async_score():
 def test_parse_answer():
     assert parse_answer("blah <reversed_text> cba </reversed_text> tail") == "cba"
     assert parse_answer(" cba ") == "cba"
+
+
+def test_default_tasks_are_unchanged_by_the_heldout_words_option():
+    """The demo's settings (examples/reverse_text) give the same tasks as when its figures were measured."""
+    env = ReverseTextEnv(num_tasks=1000, num_eval_tasks=64, min_words=2, max_words=5)
+    assert env.tasks("train")[0].info["text"] == "castle engine valley forest"
+    assert env.tasks("eval")[0].info["text"] == "large rain modern basket white"
+
+
+def test_heldout_words_keep_the_eval_vocabulary_out_of_training():
+    env = ReverseTextEnv(num_tasks=500, num_eval_tasks=64, min_words=2, max_words=5, heldout_words=20)
+    train_words = {w for t in env.tasks("train") for w in t.info["text"].split()}
+    eval_words = {w for t in env.tasks("eval") for w in t.info["text"].split()}
+    assert not train_words & eval_words
+    assert len(eval_words) <= 20 and len(eval_words) > 10  # 64 tasks of 2-5 words draw most of the 20
+    again = ReverseTextEnv(num_tasks=500, num_eval_tasks=64, min_words=2, max_words=5, heldout_words=20)
+    assert [t.answer for t in again.tasks("eval")] == [t.answer for t in env.tasks("eval")]
+    for bad in (-1, 10_000):
+        with pytest.raises(ValueError, match="heldout_words"):
+            ReverseTextEnv(heldout_words=bad)

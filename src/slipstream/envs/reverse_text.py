@@ -27,15 +27,27 @@ _WORDS = (
 ).split()
 _ANSWER_RE = re.compile(r"<reversed_text>(.*?)(?:</reversed_text>|$)", re.DOTALL)
 SPLITS = ("train", "eval")
+MIN_TRAIN_WORDS = 10
+"""Words `heldout_words` always leaves to the train split."""
 
 
 class ReverseTextEnv:
-    """Tasks are `min_words`..`max_words` random words, generated deterministically from `seed`."""
+    """Tasks are `min_words`..`max_words` random words, generated deterministically from `seed`.
+
+    `heldout_words` > 0 reserves that many words of the vocabulary (a seeded choice) for the eval split: train tasks
+    never contain them and eval tasks are made of them only, so the eval split measures reversal of words never
+    trained on (with 0, the default, eval tasks are new combinations of the same words)."""
 
     name = "reverse_text"
 
     def __init__(
-        self, num_tasks: int = 1000, num_eval_tasks: int = 64, min_words: int = 3, max_words: int = 8, seed: int = 0
+        self,
+        num_tasks: int = 1000,
+        num_eval_tasks: int = 64,
+        min_words: int = 3,
+        max_words: int = 8,
+        seed: int = 0,
+        heldout_words: int = 0,
     ) -> None:
         if not 1 <= min_words <= max_words:
             raise ValueError(f"reverse_text needs 1 <= min_words <= max_words, got {min_words} and {max_words}")
@@ -43,8 +55,20 @@ class ReverseTextEnv:
             raise ValueError(
                 f"reverse_text needs num_tasks >= 1 and num_eval_tasks >= 0, got {num_tasks}, {num_eval_tasks}"
             )
+        if not 0 <= heldout_words <= len(_WORDS) - MIN_TRAIN_WORDS:
+            raise ValueError(
+                f"reverse_text needs 0 <= heldout_words <= {len(_WORDS) - MIN_TRAIN_WORDS} (the vocabulary has "
+                f"{len(_WORDS)} words and training keeps at least {MIN_TRAIN_WORDS}), got {heldout_words}"
+            )
+        vocab = {"train": list(_WORDS), "eval": list(_WORDS)}
+        if heldout_words:
+            shuffled = sorted(_WORDS)
+            random.Random(f"reverse_text:heldout_words:{seed}").shuffle(shuffled)
+            vocab = {"train": sorted(shuffled[heldout_words:]), "eval": sorted(shuffled[:heldout_words])}
         sizes = {"train": num_tasks, "eval": num_eval_tasks}
-        self._tasks = {split: _make_tasks(split, sizes[split], min_words, max_words, seed) for split in SPLITS}
+        self._tasks = {
+            split: _make_tasks(split, sizes[split], min_words, max_words, seed, vocab[split]) for split in SPLITS
+        }
 
     def tasks(self, split: str) -> Sequence[Task]:
         if split not in self._tasks:
@@ -61,12 +85,14 @@ def parse_answer(completion_text: str) -> str:
     return (match.group(1) if match else completion_text).strip()
 
 
-def _make_tasks(split: str, num_tasks: int, min_words: int, max_words: int, seed: int) -> list[Task]:
+def _make_tasks(
+    split: str, num_tasks: int, min_words: int, max_words: int, seed: int, words: Sequence[str]
+) -> list[Task]:
     # A string seed is hashed with sha512 by `random`, so tasks are identical across processes and runs.
     rng = random.Random(f"reverse_text:{split}:{seed}")
     tasks = []
     for i in range(num_tasks):
-        text = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(min_words, max_words)))
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(min_words, max_words)))
         prompt = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": text}]
         tasks.append(Task(id=f"{split}-{i}", prompt=prompt, answer=text[::-1], info={"text": text}))
     return tasks
