@@ -1,7 +1,8 @@
 """What models with recurrent layers (linear attention, Mamba) cannot take: their state runs along each sample from
 its first token, so a context-parallel shard (which starts mid-sample) and a prefix-tree row (whose branches would
 each need the state at their fork point) would not be computed exactly. Such a family sets
-`supports_context_parallel = supports_prefix_trees = False` and calls `refuse_split_state` in its forward."""
+`supports_context_parallel = supports_prefix_trees = False` and names its state in `recurrent_state` (common/transformer.py
+DecoderLM), whose forward calls `refuse_split_state`."""
 
 import torch
 from torch import Tensor

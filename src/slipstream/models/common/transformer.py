@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from slipstream.models.common.args import TransformerArgs
 from slipstream.models.common.attention import Attention, AttentionLayout, ContextShard, build_attention_layout
 from slipstream.models.common.norm import RMSNorm
+from slipstream.models.common.recurrent import refuse_split_state
 from slipstream.models.common.rope import rope_cos_sin
 
 
@@ -71,6 +72,10 @@ class DecoderLM(nn.Module):
     collected by `forward_hidden_with_aux_loss`.
     """
 
+    recurrent_state: tuple[str, str, str] | None = None
+    """Families with recurrent layers (linear attention, Mamba): (family, what carries the state, the state's name)
+    for common/recurrent.py's refusal of context shards and prefix-tree rows, checked by every forward."""
+
     def __init__(self, args: TransformerArgs, layers: list[nn.Module]):
         super().__init__()
         self.args = args
@@ -113,6 +118,8 @@ class DecoderLM(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """(h_BTD, aux_loss_L): hidden states and the differentiable auxiliary losses of the blocks that have one
         (empty for dense models); adding them to a loss is the caller's choice."""
+        if self.recurrent_state is not None:
+            refuse_split_state(*self.recurrent_state, context, position_ids_BT)
         if replay_BTRA is not None and replay_BTRA.shape[:3] != (*input_ids_BT.shape, self.num_moe_blocks):
             raise ValueError(
                 f"router replay of shape {tuple(replay_BTRA.shape)} for {tuple(input_ids_BT.shape)} tokens and "

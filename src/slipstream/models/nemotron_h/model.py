@@ -11,9 +11,8 @@ Legend: B = rows, T = tokens per row, D = hidden size, K = head dim, R = MoE blo
 
 from torch import Tensor, nn
 
-from slipstream.models.common.attention import AttentionLayout, ContextShard
+from slipstream.models.common.attention import AttentionLayout
 from slipstream.models.common.moe_model import MoEDecoderLM
-from slipstream.models.common.recurrent import refuse_split_state
 from slipstream.models.nemotron_h.args import NemotronHArgs
 from slipstream.models.nemotron_h.layers import Mamba2Mixer, NemotronHMoE, NemotronHRMSNorm, NoPEAttention, Relu2MLP
 
@@ -80,6 +79,7 @@ class NemotronH(MoEDecoderLM):
     a rounded selection bias would route differently in inference."""
     supports_context_parallel = False
     """Read by whoever sets up context parallelism: this model refuses it (module docstring)."""
+    recurrent_state = ("nemotron_h", "its Mamba2 layers", "the Mamba2 state")
     supports_prefix_trees = False
     """Rows must hold plain samples: a caller writes prefix trees out as their samples first (trainer/logprobs.py),
     or the forward refuses them."""
@@ -87,13 +87,3 @@ class NemotronH(MoEDecoderLM):
     def __init__(self, args: NemotronHArgs):
         super().__init__(args, [build_block(args, i) for i in range(args.num_layers)])
         self.norm = NemotronHRMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def forward_hidden_with_aux_loss(
-        self,
-        input_ids_BT: Tensor,
-        position_ids_BT: Tensor,
-        context: ContextShard | None = None,
-        replay_BTRA: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        refuse_split_state("nemotron_h", "its Mamba2 layers", "the Mamba2 state", context, position_ids_BT)
-        return super().forward_hidden_with_aux_loss(input_ids_BT, position_ids_BT, context, replay_BTRA)

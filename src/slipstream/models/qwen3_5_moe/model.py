@@ -10,11 +10,7 @@ state at its fork point.
 Legend: B = rows, T = tokens per row, D = hidden size, V = vocabulary, R = MoE blocks, A = active experts.
 """
 
-from torch import Tensor
-
-from slipstream.models.common.attention import ContextShard
 from slipstream.models.common.moe_model import MoEDecoderLM
-from slipstream.models.common.recurrent import refuse_split_state
 from slipstream.models.common.transformer import MoETransformerBlock
 from slipstream.models.qwen3_5_moe.args import Qwen35MoeArgs
 from slipstream.models.qwen3_5_moe.layers import (
@@ -45,6 +41,11 @@ class Qwen35Moe(MoEDecoderLM):
 
     supports_context_parallel = False
     """Read by whoever sets up context parallelism: this model refuses it (module docstring)."""
+    recurrent_state = (
+        "qwen3_5_moe",
+        "its Gated DeltaNet (linear attention) layers",
+        "the linear-attention state",
+    )
     supports_prefix_trees = False
     """Rows must hold plain samples: a caller writes prefix trees out as their samples first (trainer/data.py's
     `expand_trees`), or the forward refuses them."""
@@ -52,19 +53,3 @@ class Qwen35Moe(MoEDecoderLM):
     def __init__(self, args: Qwen35MoeArgs):
         super().__init__(args, [build_block(args, i) for i in range(args.num_layers)])
         self.norm = ZeroCenteredRMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def forward_hidden_with_aux_loss(
-        self,
-        input_ids_BT: Tensor,
-        position_ids_BT: Tensor,
-        context: ContextShard | None = None,
-        replay_BTRA: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        refuse_split_state(
-            "qwen3_5_moe",
-            "its Gated DeltaNet (linear attention) layers",
-            "the linear-attention state",
-            context,
-            position_ids_BT,
-        )
-        return super().forward_hidden_with_aux_loss(input_ids_BT, position_ids_BT, context, replay_BTRA)
