@@ -163,7 +163,7 @@ def _context_parallel_logprobs(
 ) -> tuple[Tensor, Tensor]:
     """packed_logprobs of our model with the row sharded over the cp group (parallel/cp.py)."""
     if not is_custom_model(model):
-        raise NotImplementedError("context parallelism runs our models only (trainer.model_impl = 'custom')")
+        raise ValueError("context parallelism runs our models only (trainer.model_impl = 'custom')")
     shard = cp.shard_row(input_ids_T, position_ids_T)
     context = ContextShard(shard.row_position_ids_T[None], shard.offset, cp.gather_tokens)
     replay_tRA = None if replay_TRA is None else cp.shard_tokens(replay_TRA, pad_value=-1)
@@ -286,9 +286,9 @@ def check_plain_lm_head(model: nn.Module) -> None:
     for name in _LOGIT_TRANSFORMS:
         value = getattr(config, name, None)
         if value is not None and value != 1:
-            raise NotImplementedError(
+            raise ValueError(
                 f"{config.model_type} applies {name}={value} to its logits after the LM head; "
                 "trainer/logprobs.py applies the LM head alone: add that transform to trainer/lm_head.py first"
             )
     if model.base_model is model:
-        raise NotImplementedError(f"{type(model).__name__} has no separate base model and LM head")
+        raise ValueError(f"{type(model).__name__} has no separate base model and LM head")
