@@ -272,7 +272,8 @@ class WeightRelay:
         if not self.config.weight_check.enabled:
             return None
         tolerance = self.config.weight_check_tolerance
-        check = await verify_weights(self.client, self.output_dir, version, tolerance, after_restart)
+        per_position = self.loader.lora_name is not None  # see InferenceClient.score_tokens_per_position
+        check = await verify_weights(self.client, self.output_dir, version, tolerance, after_restart, per_position)
         if not check["passed"]:
             message = (
                 f"weight update to step {version} did not take effect on inference (policy frozen or corrupted): "
@@ -287,11 +288,17 @@ class WeightRelay:
 
 
 async def verify_weights(
-    client: InferenceClient, output_dir: Path, step: int, max_abs_diff: float, after_restart: bool = False
+    client: InferenceClient,
+    output_dir: Path,
+    step: int,
+    max_abs_diff: float,
+    after_restart: bool = False,
+    per_position: bool = False,
 ) -> dict:
     """Score the trainer's probe of `step` on inference (on every engine behind a router; the worst one is kept),
     append the comparison to weight_checks.jsonl, return it.
-    `after_restart`: the check of a reload after inference was lost (recorded in the line)."""
+    `after_restart`: the check of a reload after inference was lost (recorded in the line).
+    `per_position`: score without prompt log-probs, one forced token per request (LoRA adapters need it)."""
     probe_path = RunDir(output_dir).probe_path(step)
     if not probe_path.exists():
         raise FileNotFoundError(
@@ -304,7 +311,8 @@ async def verify_weights(
         raise ValueError(f"{probe_path}: needs len(logprobs) == len(token_ids) - 1 > 0")
     worst: tuple[float, float, list[float], str] | None = None
     for engine in client.admin_clients:  # behind a router: every engine, each must have taken the update
-        got = await engine.score_tokens(token_ids, cache_salt(step))
+        score = engine.score_tokens_per_position if per_position else engine.score_tokens
+        got = await score(token_ids, cache_salt(step))
         diff = np.abs(np.asarray(got) - np.asarray(expected))
         if worst is None or float(diff.max()) > worst[0]:
             worst = (float(diff.max()), float(diff.mean()), got, engine.base_url)
@@ -316,6 +324,7 @@ async def verify_weights(
         "num_tokens": len(expected),
         "passed": bool(worst[0] <= max_abs_diff),
         "after_restart": after_restart,
+        "scoring": "per_position" if per_position else "prompt_logprobs",
         "inference_logprobs": worst[2],
         "num_engines": len(client.admin_clients),
         "worst_engine": worst[3],

@@ -10,6 +10,7 @@ unavailable: from then on it sends no generation request until the weight relay 
 weights on the server (orchestrator/weights.py) and calls `mark_available()`.
 """
 
+import asyncio
 import json
 import math
 import re
@@ -229,6 +230,33 @@ class GenerationClient:
         reply = await self.post("/v1/completions", json=body)
         return parse_prompt_logprobs(reply, token_ids, f"{self.base_url}/v1/completions")
 
+    async def score_tokens_per_position(self, token_ids: list[int], cache_salt: str) -> list[float]:
+        """What score_tokens returns, computed without `prompt_logprobs`: one single-token request per position
+        (prompt token_ids[: i + 1]) asking, through `logprob_token_ids`, for the log-prob of token_ids[i + 1] at the
+        position it generates (temperature 1, no other sampling parameter: the processed log-probs the server
+        reports are the model's own). For LoRA adapters: vLLM computes the prompt log-probs of a LoRA request with
+        the per-request adapter mapping of the whole batch, so when other requests share the step the engine dies
+        (CPU build: an einsum shape error; vLLM issues 16668 and 29955) or the adapter's LM-head delta is dropped
+        (issue 51594); a generated position takes the mapping sampling uses, which is right. The requests share their
+        prefix (prefix caching, same cache_salt)."""
+        where = f"{self.base_url}/v1/completions"
+
+        async def one(position: int) -> float:
+            body = {
+                "model": self.model_name,
+                "prompt": token_ids[:position],
+                "max_tokens": 1,
+                "temperature": 1.0,
+                "logprobs": 1,
+                "logprob_token_ids": [token_ids[position]],
+                "return_tokens_as_token_ids": True,
+                "cache_salt": cache_salt,
+            }
+            reply = await self.post("/v1/completions", json=body)
+            return parse_token_logprob(reply, token_ids[position], f"{where} (position {position})")
+
+        return list(await asyncio.gather(*(one(i) for i in range(1, len(token_ids)))))
+
 
 def _session_headers(session: str | None) -> dict[str, str] | None:
     return None if session is None else {SESSION_HEADER: session}
@@ -280,6 +308,23 @@ async def _sse_chunks(response: httpx.Response, where: str) -> AsyncIterator[dic
             raise kind(f"{where}: the server reported an error mid-stream: {error}")
         yield chunk
     raise InferenceError(f"{where}: the stream ended without its final `data: [DONE]`")
+
+
+def parse_token_logprob(reply: dict, token_id: int, where: str) -> float:
+    """The log-prob of `token_id` at the one generated position of a completions reply that asked for it through
+    `logprob_token_ids` (with `return_tokens_as_token_ids`: entries are keyed "token_id:<id>")."""
+    key = f"token_id:{token_id}"
+    try:
+        entry = reply["choices"][0]["logprobs"]["top_logprobs"][0]
+    except (KeyError, IndexError, TypeError) as e:
+        raise InferenceError(f"{where}: reply has no choices[0].logprobs.top_logprobs[0]: {str(reply)[:500]}") from e
+    value = entry.get(key) if isinstance(entry, dict) else None
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise InferenceError(
+            f"{where}: top_logprobs[0] has no finite {key!r} ({entry!r:.300}): the server ignores logprob_token_ids "
+            "(vLLM 0.32 or later has it)"
+        )
+    return float(value)
 
 
 def parse_prompt_logprobs(reply: dict, token_ids: list[int], where: str) -> list[float]:
