@@ -95,18 +95,28 @@ def wait_healthy(server: subprocess.Popen, url: str, log_path) -> None:
 
 
 @contextlib.contextmanager
+def running_server(argv: list[str], url: str, log_path, env: dict | None = None):
+    """The server `argv` starts, for the duration of the block, healthy at `url` before it starts, logging to
+    `log_path`; terminated at the end (killed if it has not stopped within 30 s)."""
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(server, url, log_path)
+        yield server
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
 def running_sim(port: int, log_path, *args: str, env: dict | None = None):
     """The simulated inference server (`python -m slipstream_sim --port PORT ARGS`) for the duration of
     the block, healthy before it starts, logging to `log_path`."""
     argv = [sys.executable, "-m", "slipstream_sim", "--port", str(port), *args]
-    with open(log_path, "w") as log:
-        sim = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_healthy(sim, f"http://127.0.0.1:{port}", log_path)
-        yield sim
-    finally:
-        sim.terminate()
-        sim.wait(timeout=30)
+    return running_server(argv, f"http://127.0.0.1:{port}", log_path, env)
 
 
 RESUME_MAX_STEPS = 4

@@ -9,7 +9,6 @@ start (~25 s on the 2-core CI machine) for both tests."""
 
 import asyncio
 import os
-import subprocess
 import sys
 
 import httpx
@@ -24,7 +23,7 @@ from slipstream.rollout.record import cache_salt
 from slipstream.rollout.streaming import StreamedChat
 from slipstream.rundir import WEIGHT_CHECKS_FILE
 from slipstream.trainer.weights import build_probe_token_ids, publish_weights
-from tests.e2e.helpers import free_port, wait_healthy
+from tests.e2e.helpers import free_port, running_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -38,11 +37,9 @@ MESSAGES = [{"role": "user", "content": "Count slowly from one to one hundred, o
 TOKEN = "inflight-e2e"
 
 
-def start_server(model_dir, port: int, log_path, token: str) -> subprocess.Popen:
+def server_argv(model_dir, port: int) -> list[str]:
     argv = [sys.executable, "-m", "slipstream", "inference", "--model.name", str(model_dir), "--port", str(port)]
-    argv += ["--max_model_len", "1024", "--max_num_seqs", "4"]
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(argv, env={**os.environ, TOKEN_ENV: token}, stdout=log, stderr=subprocess.STDOUT)
+    return argv + ["--max_model_len", "1024", "--max_num_seqs", "4"]
 
 
 @pytest.fixture(scope="module")
@@ -50,18 +47,9 @@ def tiny_server(tiny_qwen3_dir, tmp_path_factory):
     """`slipstream inference` on the tiny Qwen3 with admin token TOKEN, started once for this module's tests: its URL.
     The admin test leaves it resumed and serving the model's own weights; only the in-flight test loads others."""
     port, log_path = free_port(), tmp_path_factory.mktemp("inference") / "inference.log"
-    server = start_server(tiny_qwen3_dir, port, log_path, TOKEN)
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(server, url, log_path)
+    with running_server(server_argv(tiny_qwen3_dir, port), url, log_path, {**os.environ, TOKEN_ENV: TOKEN}):
         yield url
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
 
 def test_admin_endpoints_need_the_token(tiny_server):

@@ -7,7 +7,6 @@ it fails, vLLM has fixed it and LoRA probes can go back to one prompt_logprobs r
 
 import asyncio
 import os
-import subprocess
 import sys
 
 import httpx
@@ -18,7 +17,7 @@ from slipstream.inference.admin_token import TOKEN_ENV
 from slipstream.orchestrator.client import InferenceClient
 from slipstream.rollout.client import InferenceUnavailable
 from slipstream.trainer.weights import build_probe_token_ids
-from tests.e2e.helpers import free_port, wait_healthy
+from tests.e2e.helpers import free_port, running_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -59,11 +58,8 @@ def lora_server(tiny_qwen3_dir, tmp_path_factory):
     port, log_path = free_port(), root / "inference.log"
     argv = [sys.executable, "-m", "slipstream", "inference", "--model.name", str(tiny_qwen3_dir), "--port", str(port)]
     argv += ["--model.lora.rank", "8", "--max_model_len", "512", "--max_num_seqs", "8"]
-    with open(log_path, "wb") as log:
-        server = subprocess.Popen(argv, env={**os.environ, TOKEN_ENV: TOKEN}, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(server, url, log_path)
+    with running_server(argv, url, log_path, {**os.environ, TOKEN_ENV: TOKEN}):
         os.environ[TOKEN_ENV] = TOKEN  # the client sends it with admin calls
         try:
 
@@ -75,13 +71,6 @@ def lora_server(tiny_qwen3_dir, tmp_path_factory):
         finally:
             del os.environ[TOKEN_ENV]
         yield url, token_ids, expected
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
 
 async def _with_requests_in_flight(url: str, base_model: str, score):

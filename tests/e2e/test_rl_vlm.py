@@ -8,7 +8,6 @@ log-probs the server sampled them with, within the same bound; the published wei
 with the vision encoder unchanged when frozen (one trainer rank), and trained when not (2 FSDP ranks, one unit per
 vision block)."""
 
-import contextlib
 import json
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import torch
 
 from slipstream.models.tiny_vlm import build_tiny_vlm
 from slipstream.transport.rollouts import read_batch
-from tests.e2e.helpers import free_port, processes_with_marker, wait_healthy, write_config
+from tests.e2e.helpers import free_port, processes_with_marker, running_server, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -31,18 +30,10 @@ BF16_BOUND = 5e-2
 """The weight check's default bound for bfloat16 models (orchestrator.weight_check.max_abs_diff)."""
 
 
-@contextlib.contextmanager
 def running_vlm_server(port: int, model_dir: Path, log_path: Path, env: dict):
     """`python -m slipstream_sim.vlm_server` for the duration of the block, healthy before it starts."""
     argv = [sys.executable, "-m", "slipstream_sim.vlm_server", "--model", str(model_dir), "--port", str(port)]
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_healthy(server, f"http://127.0.0.1:{port}", log_path)
-        yield server
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    return running_server(argv, f"http://127.0.0.1:{port}", log_path, env)
 
 
 def _config(model_dir: Path, out: Path, port: int) -> dict:
