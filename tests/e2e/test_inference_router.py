@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -113,16 +114,24 @@ def _requester(client: InferenceClient) -> TurnRequester:
     return TurnRequester(client, {"max_tokens": 4}, 30.0, ready, lambda: 0)
 
 
-async def _play(client: InferenceClient, deployment: Deployment, index: int) -> list[int]:
-    """One multi-turn rollout through the orchestrator's TurnRequester; the chat requests each engine got."""
-    before = deployment.chat_records()
+async def play_rollout(client: InferenceClient, counts: Callable[[], Awaitable[list[int]]], index: int) -> list[int]:
+    """One multi-turn rollout (NUM_TURNS model turns) through the orchestrator's TurnRequester; the requests each
+    engine got meanwhile, as `counts()` (per engine, cumulative) tells them."""
+    before = await counts()
     task = Task(id=f"task-{index}", prompt=[{"role": "user", "content": f"question {index}"}])
     model = _requester(client).model_fn(task, TurnProgress())
     messages = list(task.prompt)
     for turn in range(NUM_TURNS):
         reply = await model(messages, [])
         messages += [reply.message, {"role": "user", "content": f"turn {turn}"}]
-    return [after - b for after, b in zip(deployment.chat_records(), before, strict=True)]
+    return [after - b for after, b in zip(await counts(), before, strict=True)]
+
+
+async def _play(client: InferenceClient, deployment: Deployment, index: int) -> list[int]:
+    async def counts() -> list[int]:
+        return deployment.chat_records()
+
+    return await play_rollout(client, counts, index)
 
 
 def test_consistent_hash_keeps_rollouts_on_one_engine_and_admin_calls_reach_every_engine(tmp_path):
