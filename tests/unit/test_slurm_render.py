@@ -37,7 +37,27 @@ LAYOUTS = {
         },
     },
     "two_node_filesystem": {"weights": {"transport": "filesystem"}, "slurm": {"num_nodes": 2, "exclusive": True}},
+    # three nodes: two for the inference deployment (replicas, wide-EP or prefill/decode), the last for the trainer
+    "three_node_replicas": {
+        "weights": {"transport": "nccl"},
+        "slurm": {"num_nodes": 3, "gpus_per_node": 8},
+        "inference": {"tensor_parallel_size": 4, "deployment": {"kind": "multi_node", "num_replicas": 2}},
+    },
+    "three_node_wide_ep": {
+        "weights": {"transport": "nccl"},
+        "slurm": {"num_nodes": 3, "gpus_per_node": 8},
+        "inference": {"enable_expert_parallel": True, "data_parallel_size": 8, "deployment": {"kind": "multi_node"}},
+    },
+    "three_node_pd": {
+        "weights": {"transport": "nccl"},
+        "slurm": {"num_nodes": 3, "gpus_per_node": 8},
+        "inference": {
+            "tensor_parallel_size": 8,
+            "deployment": {"kind": "disaggregated", "prefill": {"nodes": [0]}, "decode": {"nodes": [1]}},
+        },
+    },
 }
+NODE_ROLES = {1: ["all"], 2: ["inference", "trainer"], 3: ["inference_0", "inference_1", "trainer"]}
 
 
 def _config(tmp_path: Path, **sections) -> dict:
@@ -78,7 +98,7 @@ def test_rendered_scripts_pass_bash_n_shellcheck_and_match_golden(layout, tmp_pa
         check = subprocess.run([shellcheck, "-s", "bash", str(script)], capture_output=True, text=True)
         assert check.returncode == 0, f"{script.name}:\n{check.stdout}"
     rendered = {p.name: p.read_text().replace(str(tmp_path), "/TMP") for p in (files.job_script, files.node_script)}
-    assert sorted(files.node_configs) == (["all"] if layout == "one_node" else ["inference", "trainer"])
+    assert list(files.node_configs) == NODE_ROLES[LAYOUTS[layout]["slurm"].get("num_nodes", 1)]
     folder = GOLDEN / layout
     if os.environ.get(UPDATE_ENV) == "1":
         folder.mkdir(parents=True, exist_ok=True)
@@ -139,7 +159,18 @@ def test_custom_templates_render_with_the_same_variables(tmp_path):
 @pytest.mark.parametrize(
     ("sections", "message"),
     [
-        ({"slurm": {"num_nodes": 3}}, r"slurm.num_nodes = 3: only 1 node"),
+        (
+            {"slurm": {"num_nodes": 3}, "weights": {"transport": "filesystem"}},
+            r"slurm.num_nodes = 3 gives inference 2 nodes .* inference.deployment.kind = 'single_node' runs on one",
+        ),
+        (
+            {
+                "slurm": {"num_nodes": 3},
+                "weights": {"transport": "filesystem"},
+                "inference": {"deployment": {"kind": "multi_node", "nodes": ["a"]}},
+            },
+            r"inference.deployment.nodes lists 1 node\(s\), but the Slurm job has 2 inference node\(s\)",
+        ),
         ({"slurm": {"num_nodes": 2}}, r"set weights.transport"),
         ({"deployment": {"run": ["inference"]}, "weights": {"transport": "filesystem"}}, r"remove deployment.run"),
         ({"slurm": {"sbatch_args": ["qos=high"]}}, r"slurm.sbatch_args entry 'qos=high'"),
@@ -193,3 +224,50 @@ def test_node_script_stops_when_the_other_node_ends_after_the_grace_period(role,
     assert (exits / f"{role}.exit").read_text().strip() == "130"
     # the inference node stopped on purpose leaves the job's exit code to the trainer's node
     assert node.returncode == (0 if role == "inference" else 130), out
+
+
+RECORDING_PYTHON = """#!/bin/bash
+# stands in for `python -m slipstream ...`: records the command line of `rl` (one argument per line) and exits
+[[ "$2" == slipstream.launch.stale ]] && exit 0
+printf '%s\\n' "$@" > "$RECORD"
+"""
+
+
+def test_each_node_of_a_three_node_job_runs_its_part_of_the_deployment(tmp_path):
+    """node.sh of the three-node replicas layout, run as each node of a 3-node allocation (SLURM_* variables, a
+    stand-in python that records what it is asked to run): each node starts `slipstream rl` on its own config with
+    the job's hostnames; loaded with those arguments, the configs place engines, router, trainer and weight
+    transfer on the right hosts."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("python", RECORDING_PYTHON), ("scontrol", "#!/bin/bash\nprintf 'gpu-a\\ngpu-b\\ngpu-c\\n'\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    config = _config(tmp_path, **LAYOUTS["three_node_replicas"])
+    config["slurm"]["python"] = str(bin_dir / "python")
+    files = render_job(_load(tmp_path, config))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "9", "SLURM_JOB_NUM_NODES": "3"}
+    env["SLURM_JOB_NODELIST"] = "gpu-[a-c]"
+    loaded = {}
+    for node_id, role in enumerate(NODE_ROLES[3]):
+        record = tmp_path / f"argv_{node_id}"
+        node_env = {**env, "SLURM_NODEID": str(node_id), "RECORD": str(record)}
+        proc = subprocess.run(
+            ["bash", str(files.node_script)], env=node_env, capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert f"role {role}" in proc.stdout
+        argv = record.read_text().splitlines()
+        assert argv[:4] == ["-m", "slipstream", "rl", "-c"] and argv[4] == str(files.node_configs[role])
+        loaded[role] = load_config(RLConfig, argv[3:])
+    engines = ["http://gpu-a:8124", "http://gpu-a:8125", "http://gpu-b:8124", "http://gpu-b:8125"]
+    for k in (0, 1):
+        inference = loaded[f"inference_{k}"]
+        assert inference.deployment.run == ["inference"] and inference.inference.deployment.node_rank == k
+        assert inference.inference.deployment.nodes == ["gpu-a", "gpu-b"] and inference.inference.host == "0.0.0.0"
+        assert inference.output_dir == tmp_path / "run" / "slurm" / "nodes" / f"inference_{k}"
+    trainer = loaded["trainer"]
+    assert trainer.deployment.run == ["trainer", "orchestrator"] and trainer.output_dir == tmp_path / "run"
+    assert trainer.orchestrator.inference_url == "http://gpu-a:8123"  # the router, on the first node
+    assert trainer.orchestrator.inference_engine_urls == engines  # admin calls reach every engine on its host
+    assert trainer.trainer.weights.master_addr == "gpu-c"

@@ -136,14 +136,13 @@ class RLConfig(BaseConfig):
                 sub[key] = value
                 data[section] = sub
         inf, orch = _table(data.get("inference")) or {}, _table(data.get("orchestrator"))
+        if (nodes := _slurm_inference_nodes(data.get("slurm"), inf)) is not None:
+            inf["deployment"] = {**(_table(inf.get("deployment")) or {}), "nodes": nodes}
+            data["inference"] = inf
         if orch is None:
             return data
-        if "inference_url" not in orch:
-            host = inf.get("host", "127.0.0.1")
-            host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-            orch["inference_url"] = f"http://{host}:{inf.get('port', 8000)}"
-        if "inference_engine_urls" not in orch:
-            orch["inference_engine_urls"] = _engine_urls(inf)
+        for key, value in _derived_inference_urls(inf).items():
+            orch.setdefault(key, value)
         trainer = _table(data.get("trainer"))
         cp = (_table((trainer or {}).get("parallel")) or {}).get("cp", 1)
         # The cp ranks of a group share one batch: the orchestrator writes one per group.
@@ -238,6 +237,21 @@ class RLConfig(BaseConfig):
                 "must agree on how weights travel: set weights.transport ('filesystem' through the shared run "
                 "directory, 'nccl' between GPU nodes, 'gloo' between CPU nodes)"
             )
+        deployment, inference_nodes = self.inference.deployment, max(self.slurm.num_nodes - 1, 1)
+        if deployment.kind == "single_node" and inference_nodes > 1:
+            raise ValueError(
+                f"slurm.num_nodes = {self.slurm.num_nodes} gives inference {inference_nodes} nodes (all but the last), "
+                "but inference.deployment.kind = 'single_node' runs on one; set kind = 'multi_node' (replicas or "
+                "wide-EP across them) or 'disaggregated', or slurm.num_nodes = 2"
+            )
+        if len(deployment.nodes) != inference_nodes and (
+            self.slurm.num_nodes > 1 or "nodes" in deployment.model_fields_set
+        ):
+            raise ValueError(
+                f"inference.deployment.nodes lists {len(deployment.nodes)} node(s), but the Slurm job has "
+                f"{inference_nodes} inference node(s) (slurm.num_nodes - 1, or 1 on one node) and fills in their "
+                "hostnames itself; drop inference.deployment.nodes, or change slurm.num_nodes"
+            )
         return self
 
     @model_validator(mode="after")
@@ -257,13 +271,13 @@ class RLConfig(BaseConfig):
 
     def user_toml_dict(self) -> dict[str, Any]:
         """This config as a user writes it (what `-c` loads back, dotted overrides included): the shared fields
-        only at the top level, the derived ones (orchestrator.num_trainer_ranks, the sections' resume_step) left out.
-        """
+        only at the top level, the derived ones (orchestrator.num_trainer_ranks, the inference URLs the inference
+        table gives, the sections' resume_step) left out."""
         data = self.to_toml_dict()
         for key, sections in _SHARED.items():
             for section in sections:
                 data[section].pop(key, None)
-        data["orchestrator"].pop("num_trainer_ranks", None)
+        _drop_derived(data)
         for section in ("orchestrator", "trainer"):
             data[section].pop("resume_step", None)
         return data
@@ -278,7 +292,7 @@ class RLConfig(BaseConfig):
         for key, sections in _SHARED.items():
             for section in sections:
                 data[section].pop(key, None)
-        data["orchestrator"].pop("num_trainer_ranks", None)
+        _drop_derived(data)
         return validate_config(RLConfig, deep_merge(data, changes))
 
 
@@ -296,6 +310,45 @@ def _known_trainer_procs(launch: dict[str, Any], deployment: dict[str, Any]) -> 
         return 1  # no trainer on this node: _check_nodes asks for launch.num_trainer_procs where it matters
     known = deployment_config.known_trainer_gpus()
     return None if known is None else max(known, 1)
+
+
+SLURM_NODE_PLACEHOLDER = "slurm-node-"
+"""inference.deployment.nodes of a Slurm job (slurm-node-0, ...) until each node's script passes the hostnames."""
+
+
+def _slurm_inference_nodes(slurm: Any, inf: dict[str, Any]) -> list[str] | None:
+    """Under [slurm] with N >= 2 nodes, a multi-node deployment kind and inference.deployment.nodes unset:
+    placeholders for the first N - 1 nodes
+    (the job's inference nodes), so that a deployment's shape (prefill.nodes, decode.nodes) validates before the
+    hostnames are known. None otherwise (invalid tables are left to field validation)."""
+    slurm_table, deployment = _table(slurm), _table(inf.get("deployment"))
+    if not slurm_table or deployment is None or "nodes" in deployment:
+        return None
+    if deployment.get("kind") not in ("multi_node", "disaggregated"):
+        return None  # one inference node: _check_slurm says so if the job has more
+    num_nodes = slurm_table.get("num_nodes", 1)
+    if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 2:
+        return None
+    return [f"{SLURM_NODE_PLACEHOLDER}{k}" for k in range(num_nodes - 1)]
+
+
+def _derived_inference_urls(inf: dict) -> dict[str, Any]:
+    """orchestrator.inference_url and orchestrator.inference_engine_urls as the inference table gives them (what they
+    are unless set)."""
+    host = inf.get("host", "127.0.0.1")
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return {"inference_url": f"http://{host}:{inf.get('port', 8000)}", "inference_engine_urls": _engine_urls(inf)}
+
+
+def _drop_derived(data: dict[str, Any]) -> None:
+    """Remove from a dumped config the fields derived when validating it (orchestrator.num_trainer_ranks, and the
+    inference URLs where they equal what the inference table gives): validating it again derives them from its
+    current values (a changed inference port, or the hostnames a Slurm node fills into inference.deployment.nodes)."""
+    orch = data["orchestrator"]
+    orch.pop("num_trainer_ranks", None)
+    for key, value in _derived_inference_urls(data["inference"]).items():
+        if orch.get(key) == value:
+            orch.pop(key)
 
 
 def _engine_urls(inf: dict) -> list[str]:

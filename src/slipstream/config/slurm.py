@@ -13,12 +13,14 @@ class SlurmConfig(BaseConfig):
     and runs `sbatch` (`--dry-run`: only writes them and prints the sbatch command). The run directory must be on a
     filesystem every node of the job sees.
 
-    Layouts: one node runs inference, orchestrator and trainer (`num_nodes = 1`); two nodes run inference on the
-    first and trainer + orchestrator on the second (`num_nodes = 2`), weights travelling by `weights.transport`."""
+    Layouts: one node runs inference, orchestrator and trainer (`num_nodes = 1`); with more, every node but the last
+    runs inference and the last one trainer + orchestrator, weights travelling by `weights.transport`."""
 
     num_nodes: int = Field(1, ge=1)
-    """Nodes of the job. 1: everything on one node. 2: inference on the first node, trainer and orchestrator on the
-    second (set weights.transport: 'filesystem' through the shared run directory, or 'nccl' between GPU nodes)."""
+    """Nodes of the job. 1: everything on one node. N >= 2: inference on the first N - 1 nodes (the inference
+    deployment's nodes, whose hostnames the job fills into inference.deployment.nodes: with N > 2 set
+    inference.deployment.kind to 'multi_node' or 'disaggregated'), trainer and orchestrator on the last one (set
+    weights.transport: 'filesystem' through the shared run directory, or 'nccl' between GPU nodes)."""
 
     job_name: str = Field("slipstream", min_length=1)
     """Slurm job name (`squeue` shows it)."""
@@ -75,12 +77,6 @@ class SlurmConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _check_layout(self) -> "SlurmConfig":
-        if self.num_nodes > 2:
-            raise ValueError(
-                f"slurm.num_nodes = {self.num_nodes}: only 1 node (everything together) or 2 nodes (inference, then "
-                "trainer + orchestrator) are supported so far; several inference replicas behind a router and "
-                "torchrun across trainer nodes are not implemented yet. Set slurm.num_nodes to 1 or 2"
-            )
         for name in ("job_template", "node_template"):
             path = getattr(self, name)
             if path is not None and not Path(path).expanduser().is_file():

@@ -3,9 +3,11 @@ with each node's config into `<output_dir>/slurm/`, and submit the job with sbat
 
 Every node of the job runs `slipstream rl` on its share of the run (deployment.run), so everything the local
 launcher does (placement, supervision, inference restarts, killing every child when it dies, the run lock, resume)
-also holds on each node. Layouts: one node runs all three processes in the run directory; with two nodes, node 0
-runs inference in its own directory `slurm/nodes/inference_0/` (its lock, config and logs) and node 1 runs trainer
-and orchestrator in the run directory, reaching inference by the hostname Slurm gives node 0.
+also holds on each node. Layouts: one node runs all three processes in the run directory; with N >= 2 nodes, nodes 0 .. N-2
+run the inference deployment (node k in its own directory `slurm/nodes/inference_<k>/`: its lock, config and logs;
+rank k of inference.deployment.nodes, which the job fills with the hostnames Slurm gives them; the router, or the
+wide-EP head, on node 0) and node N-1 runs trainer and orchestrator in the run directory, reaching inference (and
+each engine, for admin calls) by those hostnames.
 """
 
 import shlex
@@ -18,7 +20,7 @@ from typing import Any
 
 import tomli_w
 
-from slipstream.config.rl import RLConfig
+from slipstream.config.rl import SLURM_NODE_PLACEHOLDER, RLConfig
 from slipstream.config.slurm import SlurmConfig
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -51,27 +53,40 @@ def slurm_dir(config: RLConfig) -> Path:
 
 
 def node_configs(config: RLConfig) -> dict[str, RLConfig]:
-    """role -> the config of the node(s) with that role, in node order: [slurm] removed, output_dir absolute,
-    deployment.run set. The inference node gets its own directory and listens on every interface."""
+    """role -> the config of the node with that role, in node order: [slurm] removed, output_dir absolute,
+    deployment.run set. With several nodes, every node but the last runs inference (role `inference`, or
+    `inference_<k>` with several), each in its own directory, listening on every interface, as rank k of the
+    inference deployment; the last runs trainer and orchestrator (`trainer`). inference.deployment.nodes holds
+    placeholders (`slurm-node-<k>`): each node's script passes the job's hostnames instead."""
     assert config.slurm is not None
     root = Path(config.output_dir).resolve()
     common: dict[str, Any] = {"output_dir": str(root), "slurm": None, "dry_run": False}
     if config.slurm.num_nodes == 1:
         return {"all": config.rebuilt(common)}
-    inference = {
-        **common,
-        "output_dir": str(inference_node_dir(config)),
-        "deployment": {"run": ["inference"]},
-        "inference": {"host": "0.0.0.0"},
-    }
-    return {
-        "inference": config.rebuilt(inference),
-        "trainer": config.rebuilt({**common, "deployment": {"run": ["trainer", "orchestrator"]}}),
-    }
+    num_inference = config.slurm.num_nodes - 1
+    nodes = [f"{SLURM_NODE_PLACEHOLDER}{k}" for k in range(num_inference)]
+    configs = {}
+    for k in range(num_inference):
+        deployment = {"nodes": nodes, "node_rank": k}
+        configs[inference_role(k, num_inference)] = config.rebuilt(
+            {
+                **common,
+                "output_dir": str(inference_node_dir(config, k)),
+                "deployment": {"run": ["inference"]},
+                "inference": {"host": "0.0.0.0", "deployment": deployment},
+            }
+        )
+    trainer = {"deployment": {"run": ["trainer", "orchestrator"]}, "inference": {"deployment": {"nodes": nodes}}}
+    configs["trainer"] = config.rebuilt({**common, **trainer})
+    return configs
 
 
-def inference_node_dir(config: RLConfig) -> Path:
-    return slurm_dir(config) / "nodes" / "inference_0"
+def inference_role(k: int, num_inference: int) -> str:
+    return "inference" if num_inference == 1 else f"inference_{k}"
+
+
+def inference_node_dir(config: RLConfig, k: int = 0) -> Path:
+    return slurm_dir(config) / "nodes" / f"inference_{k}"
 
 
 def render_job(config: RLConfig) -> SlurmFiles:
@@ -108,6 +123,7 @@ def template_variables(config: RLConfig, slurm: SlurmConfig, roles: list[NodeRol
         "slurm_dir": str(folder),
         "logs_dir": str(folder / "logs"),
         "inference_port": config.inference.port,
+        "num_inference_nodes": max(slurm.num_nodes - 1, 1),
         "collective_weights": config.weights.transport in ("nccl", "gloo"),
         "roles": [{"name": r.name, "node_dir": str(r.node_dir), "config": str(r.config)} for r in roles],
     }

@@ -45,7 +45,7 @@ while kill -0 "$launcher" 2>/dev/null; do
       now=$(date +%s)
       peer_ended_at=${peer_ended_at:-$now}
       # inference has nothing to save: it stops at once; the trainer gets slurm.grace_s to finish a checkpoint
-      if [[ "$role" == inference || $((now - peer_ended_at)) -ge 120 ]]; then
+      if [[ "$role" == inference* || $((now - peer_ended_at)) -ge 120 ]]; then
         echo "[slipstream] node ${node_id}: ${peer} ended (exit $(cat "$exit_dir/$peer.exit")); stopping ${role}"
         stopped_for=$peer
         stop_launcher
@@ -57,7 +57,7 @@ done
 rc=0
 wait "$launcher" || rc=$?
 echo "$rc" > "$exit_dir/$role.exit"
-if [[ "$stopped_for" != "" && "$role" == inference ]]; then
+if [[ "$stopped_for" != "" && "$role" == inference* ]]; then
   rc=0  # stopped because the trainer's node ended: that node's exit code is the job's
 fi
 echo "[slipstream] node ${node_id}: ${role} exited with ${rc}"

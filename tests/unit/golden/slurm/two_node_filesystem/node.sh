@@ -22,8 +22,11 @@ python=/opt/venv/bin/python
 exit_dir=/TMP/run/slurm/job_${job_id}
 mkdir -p "$exit_dir"
 overrides=()
+# the inference deployment's nodes are the job's first 1: the router (or wide-EP head) on the first
 inference_host=${hosts[0]}
+inference_nodes=$(printf '"%s",' "${hosts[@]:0:1}")
 overrides+=(--orchestrator.inference_url "http://${inference_host}:8123")
+overrides+=(--inference.deployment.nodes "[${inference_nodes%,}]")
 case "$node_id" in
   0) role=inference; node_dir=/TMP/run/slurm/nodes/inference_0; config=/TMP/run/slurm/node_inference.toml ;;
   1) role=trainer; node_dir=/TMP/run; config=/TMP/run/slurm/node_trainer.toml ;;
@@ -48,7 +51,7 @@ while kill -0 "$launcher" 2>/dev/null; do
       now=$(date +%s)
       peer_ended_at=${peer_ended_at:-$now}
       # inference has nothing to save: it stops at once; the trainer gets slurm.grace_s to finish a checkpoint
-      if [[ "$role" == inference || $((now - peer_ended_at)) -ge 120 ]]; then
+      if [[ "$role" == inference* || $((now - peer_ended_at)) -ge 120 ]]; then
         echo "[slipstream] node ${node_id}: ${peer} ended (exit $(cat "$exit_dir/$peer.exit")); stopping ${role}"
         stopped_for=$peer
         stop_launcher
@@ -60,7 +63,7 @@ done
 rc=0
 wait "$launcher" || rc=$?
 echo "$rc" > "$exit_dir/$role.exit"
-if [[ "$stopped_for" != "" && "$role" == inference ]]; then
+if [[ "$stopped_for" != "" && "$role" == inference* ]]; then
   rc=0  # stopped because the trainer's node ended: that node's exit code is the job's
 fi
 echo "[slipstream] node ${node_id}: ${role} exited with ${rc}"
