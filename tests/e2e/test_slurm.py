@@ -126,23 +126,27 @@ def test_scancel_leaves_nothing_and_resume_trains_to_the_end_in_a_new_job_with_p
 
 
 @pytest.mark.timeout(900)
-def test_two_node_script_runs_as_two_nodes_on_this_machine(slurm_cluster, tiny_qwen3_dir, tmp_path, run_env):
+def test_three_node_script_runs_as_three_nodes_on_this_machine(slurm_cluster, tiny_qwen3_dir, tmp_path, run_env):
+    """The rendered node.sh run three times on this machine as the nodes of a 3-node allocation: inference on node 0,
+    the trainer across nodes 1 and 2 (torchrun's static rendezvous on node 1, one gloo rank each), the orchestrator
+    on node 1; gloo weights."""
     marker, env = run_env
     out = tmp_path / "run"
     config = tiny_rl_config(tiny_qwen3_dir, out, max_steps=3, weights={"transport": "gloo", "master_port": free_port()})
-    config["slurm"] = {"num_nodes": 2, "grace_s": 5}
+    config["slurm"] = {"num_nodes": 3, "trainer_nodes": 2, "grace_s": 5}
+    config["launch"]["trainer_master_port"] = free_port()
     proc = _rl(write_config(tmp_path / "rl.toml", config), env, "--dry-run", timeout=60)
     assert proc.returncode == 0, proc.stderr
     node_script = out / "slurm" / "node.sh"
     assert proc.stdout.strip().endswith(f"sbatch --parsable {out / 'slurm' / 'job.sbatch'}")
     allocation = {
         "SLURM_JOB_ID": "424242",
-        "SLURM_JOB_NUM_NODES": "2",
-        "SLURM_JOB_NODELIST": "localhost,localhost",
+        "SLURM_JOB_NUM_NODES": "3",
+        "SLURM_JOB_NODELIST": "localhost,localhost,localhost",
         "SLIPSTREAM_ADMIN_TOKEN": "shared-by-the-job-script",
     }
     start, nodes = time.monotonic(), []
-    for node_id in (0, 1):
+    for node_id in (0, 1, 2):
         log = open(tmp_path / f"node_{node_id}.log", "w")
         node_env = {**slurm_cluster.env, **env, **allocation, "SLURM_NODEID": str(node_id)}
         nodes.append(subprocess.Popen(["bash", str(node_script)], env=node_env, stdout=log, stderr=subprocess.STDOUT))
@@ -152,14 +156,17 @@ def test_two_node_script_runs_as_two_nodes_on_this_machine(slurm_cluster, tiny_q
         for node in nodes:
             if node.poll() is None:
                 node.kill()
-    logs = [(tmp_path / f"node_{i}.log").read_text() for i in (0, 1)]
-    assert codes == [0, 0], f"{logs}\n{_logs(out)}"
+    logs = [(tmp_path / f"node_{i}.log").read_text() for i in (0, 1, 2)]
+    assert codes == [0, 0, 0], f"{logs}\n{_logs(out)}"
     assert [m["step"] for m in _metrics(out)] == [1, 2, 3]
     assert "role inference" in logs[0] and "trainer ended (exit 0); stopping inference" in logs[0], logs[0]
     assert "role trainer" in logs[1] and "done: 3 steps" in logs[1], logs[1]
+    assert "role trainer_1" in logs[2] and "trainer node 1: done" in logs[2], logs[2]
     inference_dir = out / "slurm" / "nodes" / "inference_0"
     assert RunDir(inference_dir).log_path("inference").stat().st_size > 0
-    assert {p.name for p in RunDir(out).logs_dir.iterdir()} >= {"trainer.log", "orchestrator.log"}
+    assert {p.name for p in RunDir(out).logs_dir.iterdir()} >= {"trainer.log", "trainer_node1.log", "orchestrator.log"}
     assert "inference.log" not in {p.name for p in RunDir(out).logs_dir.iterdir()}
+    # both trainer nodes' ranks trained every step: the orchestrator wrote one batch per rank
+    assert (out / "config" / "orchestrator.toml").read_text().count("num_trainer_ranks = 2") == 1
     _wait_gone(marker)
-    print(f"two-node per-node scripts, 3 steps: {time.monotonic() - start:.0f}s")
+    print(f"three-node per-node scripts, 3 steps: {time.monotonic() - start:.0f}s")

@@ -219,3 +219,39 @@ def test_collective_weights_between_roles_on_one_machine_need_no_master_addr():
         orchestrator={"inference_url": "http://127.0.0.1:8123"},
     )
     assert config.weights.master_addr == "127.0.0.1"  # inference is reached on loopback: the store is too
+
+
+def test_a_trainer_across_nodes_gets_a_static_rendezvous_and_every_node_counted():
+    """launch.trainer_nodes = 2: torchrun on each trainer node with its rank and node 0's address; the orchestrator
+    writes one batch per rank of every node; the second node runs only its trainer ranks, logging beside node 0's."""
+    common = {"trainer_nodes": 2, "trainer_master_addr": "10.0.0.5", "trainer_master_port": 29411}
+    first = rl(deployment={"run": ["trainer", "orchestrator"]}, launch=common, weights={"transport": "filesystem"})
+    gpus = [0, 1, 2, 3]
+    resolved = resolve_config(first, gpus)
+    assert resolved.orchestrator.num_trainer_ranks == 2 * 4  # 4 GPUs on each of the 2 nodes
+    (trainer, _) = build_plan(resolved, gpus=gpus)
+    args = trainer.argv[trainer.argv.index("torch.distributed.run") + 1 : trainer.argv.index("--nproc-per-node")]
+    assert args == ["--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.5", "--master-port", "29411"]
+    assert trainer.log_path.name == "trainer.log"
+    second = rl(
+        deployment={"run": ["trainer"]}, launch={**common, "trainer_node_rank": 1}, weights={"transport": "filesystem"}
+    )
+    (trainer,) = build_plan(resolve_config(second, gpus), gpus=gpus)
+    assert trainer.argv[trainer.argv.index("--node-rank") + 1] == "1" and trainer.log_path.name == "trainer_node1.log"
+    assert "--standalone" in build_plan(rl(), gpus=list(range(8)))[1].argv  # one trainer node
+
+
+@pytest.mark.parametrize(
+    ("launch", "run", "message"),
+    [
+        ({"trainer_nodes": 2, "trainer_node_rank": 2}, ["trainer"], r"launch.trainer_node_rank \(2\) must be below"),
+        (
+            {"trainer_nodes": 2, "trainer_node_rank": 1},
+            ["trainer", "orchestrator"],
+            r"set deployment.run = \['trainer'\]",
+        ),
+    ],
+)
+def test_trainer_node_mistakes_name_the_field(launch, run, message):
+    with pytest.raises(ConfigError, match=message):
+        rl(deployment={"run": run}, launch=launch, weights={"transport": "filesystem"})

@@ -173,6 +173,9 @@ def test_custom_templates_render_with_the_same_variables(tmp_path):
         ),
         ({"slurm": {"num_nodes": 2}}, r"set weights.transport"),
         ({"deployment": {"run": ["inference"]}, "weights": {"transport": "filesystem"}}, r"remove deployment.run"),
+        ({"slurm": {"num_nodes": 2, "trainer_nodes": 2}}, r"slurm.trainer_nodes \(2\) leaves no node for inference"),
+        ({"slurm": {"trainer_nodes": 2}}, r"slurm.trainer_nodes = 2 needs a job of more nodes"),
+        ({"launch": {"trainer_nodes": 2}}, r"launch.trainer_nodes is set for each node by \[slurm\]"),
         ({"slurm": {"sbatch_args": ["qos=high"]}}, r"slurm.sbatch_args entry 'qos=high'"),
         ({"slurm": {"job_template": "/no/such/file.jinja"}}, r"slurm.job_template .* is not a file"),
         ({"slurm": {"env": {"A-B": "1"}}}, r"slurm.env key 'A-B'"),
@@ -271,3 +274,31 @@ def test_each_node_of_a_three_node_job_runs_its_part_of_the_deployment(tmp_path)
     assert trainer.orchestrator.inference_url == "http://gpu-a:8123"  # the router, on the first node
     assert trainer.orchestrator.inference_engine_urls == engines  # admin calls reach every engine on its host
     assert trainer.trainer.weights.master_addr == "gpu-c"
+
+
+def test_a_trainer_on_two_nodes_gets_one_role_per_node(tmp_path):
+    """slurm.trainer_nodes = 2 in a 4-node job: two inference nodes, then the trainer's first node (with the
+    orchestrator) and its second (trainer ranks only), each told its rank and the first trainer node's address."""
+    config = _config(tmp_path, **LAYOUTS["three_node_replicas"])
+    config["slurm"] |= {"num_nodes": 4, "trainer_nodes": 2}
+    files = render_job(_load(tmp_path, config))
+    assert list(files.node_configs) == ["inference_0", "inference_1", "trainer", "trainer_1"]
+    overrides = ["--launch.trainer_master_addr", "gpu-c", "--weights.master_addr", "gpu-c"]
+    overrides += [
+        "--inference.deployment.nodes",
+        '["gpu-a", "gpu-b"]',
+        "--orchestrator.inference_url",
+        "http://gpu-a:8123",
+    ]
+    first, second = (
+        load_config(RLConfig, ["-c", str(files.node_configs[r]), *overrides]) for r in ("trainer", "trainer_1")
+    )
+    assert first.deployment.run == ["trainer", "orchestrator"] and second.deployment.run == ["trainer"]
+    assert (first.launch.trainer_nodes, first.launch.trainer_node_rank) == (2, 0)
+    assert (second.launch.trainer_nodes, second.launch.trainer_node_rank) == (2, 1)
+    assert first.output_dir == second.output_dir == tmp_path / "run"
+    assert second.launch.trainer_master_addr == "gpu-c"
+    script = files.node_script.read_text()
+    assert (
+        "trainer_host=${hosts[2]}" in script and 'overrides+=(--launch.trainer_master_addr "$trainer_host")' in script
+    )

@@ -62,6 +62,31 @@ class LaunchConfig(BaseConfig):
     inference_restart_backoff_s: float = Field(2.0, ge=0.0)
     """Delay before restarting a dead inference server, doubled for each further restart (at most 60 s)."""
 
+    trainer_nodes: int = Field(1, ge=1)
+    """Nodes the trainer spans (torchrun --nnodes), each with launch.num_trainer_procs ranks. With more than one,
+    every trainer node runs `slipstream rl` with its own launch.trainer_node_rank and the same
+    SLIPSTREAM_LAUNCH_ID in its environment (a Slurm job sets both): node 0 owns the run (its lock, resume, the
+    per-process configs, and the orchestrator where it runs there); the others run only "trainer" and start their
+    ranks once node 0 has written the configs of this launch."""
+
+    trainer_node_rank: int = Field(0, ge=0)
+    """This node's rank among the trainer's nodes (torchrun --node-rank), below launch.trainer_nodes."""
+
+    trainer_master_addr: str = "127.0.0.1"
+    """Address of trainer node 0, reachable from the other trainer nodes: torchrun's rendezvous (--master-addr)."""
+
+    trainer_master_port: int = Field(29400, ge=1, le=65535)
+    """Port of torchrun's rendezvous on trainer node 0 (--master-port), with launch.trainer_nodes > 1."""
+
+    @model_validator(mode="after")
+    def _check_trainer_nodes(self) -> "LaunchConfig":
+        if self.trainer_node_rank >= self.trainer_nodes:
+            raise ValueError(
+                f"launch.trainer_node_rank ({self.trainer_node_rank}) must be below launch.trainer_nodes "
+                f"({self.trainer_nodes})"
+            )
+        return self
+
 
 class RLConfig(BaseConfig):
     """Asynchronous RL: inference + orchestrator + trainer. `model`, `output_dir`, `max_steps` and `seed`
@@ -146,9 +171,11 @@ class RLConfig(BaseConfig):
         trainer = _table(data.get("trainer"))
         cp = (_table((trainer or {}).get("parallel")) or {}).get("cp", 1)
         # The cp ranks of a group share one batch: the orchestrator writes one per group.
-        procs = _known_trainer_procs(_table(data.get("launch")) or {}, _table(data.get("deployment")) or {})
-        if isinstance(procs, int) and isinstance(cp, int) and cp >= 1:
-            orch.setdefault("num_trainer_ranks", max(procs // cp, 1))
+        launch = _table(data.get("launch")) or {}
+        procs = _known_trainer_procs(launch, _table(data.get("deployment")) or {})
+        nodes = launch.get("trainer_nodes", 1)
+        if isinstance(procs, int) and isinstance(cp, int) and cp >= 1 and isinstance(nodes, int) and nodes >= 1:
+            orch.setdefault("num_trainer_ranks", max(nodes * procs // cp, 1))
         resume = data.get("resume_step") or ("latest" if data.get("resume") is True else None)
         for section, sub in (("orchestrator", orch), ("trainer", trainer)):
             if sub is None:
@@ -184,16 +211,21 @@ class RLConfig(BaseConfig):
             raise ValueError(
                 f"trainer.parallel.cp ({cp}) must divide launch.num_trainer_procs ({procs}); change one of them"
             )
-        if self.orchestrator.num_trainer_ranks != procs // cp:
+        if self.orchestrator.num_trainer_ranks != self.launch.trainer_nodes * procs // cp:
             raise ValueError(
-                "orchestrator.num_trainer_ranks must equal launch.num_trainer_procs / trainer.parallel.cp (one batch "
-                "per group of cp ranks); set only launch.num_trainer_procs"
+                "orchestrator.num_trainer_ranks must equal launch.trainer_nodes x launch.num_trainer_procs / "
+                "trainer.parallel.cp (one batch per group of cp ranks); set only launch.num_trainer_procs"
             )
         return self
 
     @model_validator(mode="after")
     def _check_nodes(self) -> "RLConfig":
         run, transport = self.deployment.run, self.weights.transport
+        if self.launch.trainer_node_rank > 0 and run != ["trainer"]:
+            raise ValueError(
+                f"launch.trainer_node_rank = {self.launch.trainer_node_rank}: the trainer's other nodes run only the "
+                f"trainer (node 0 runs the orchestrator), but deployment.run = {run}; set deployment.run = ['trainer']"
+            )
         if "orchestrator" in run and "trainer" not in run and self.launch.num_trainer_procs is None:
             raise ValueError(
                 "the orchestrator runs on this node without the trainer (deployment.run), so it cannot count the "
@@ -231,26 +263,32 @@ class RLConfig(BaseConfig):
             raise ValueError(
                 "deployment.run is chosen for each node by [slurm] (slurm.num_nodes); remove deployment.run"
             )
+        for key in ("trainer_nodes", "trainer_node_rank", "trainer_master_addr"):
+            if key in self.launch.model_fields_set:
+                raise ValueError(
+                    f"launch.{key} is set for each node by [slurm] (slurm.trainer_nodes); remove launch.{key}"
+                )
         if self.slurm.num_nodes > 1 and self.weights.transport == "auto":
             raise ValueError(
                 f"slurm.num_nodes = {self.slurm.num_nodes} puts inference and the trainer on different nodes, which "
                 "must agree on how weights travel: set weights.transport ('filesystem' through the shared run "
                 "directory, 'nccl' between GPU nodes, 'gloo' between CPU nodes)"
             )
-        deployment, inference_nodes = self.inference.deployment, max(self.slurm.num_nodes - 1, 1)
+        deployment, inference_nodes = self.inference.deployment, self.slurm.num_inference_nodes
         if deployment.kind == "single_node" and inference_nodes > 1:
             raise ValueError(
-                f"slurm.num_nodes = {self.slurm.num_nodes} gives inference {inference_nodes} nodes (all but the last), "
+                f"slurm.num_nodes = {self.slurm.num_nodes} gives inference {inference_nodes} nodes (all but the "
+                f"trainer's {self.slurm.trainer_nodes}), "
                 "but inference.deployment.kind = 'single_node' runs on one; set kind = 'multi_node' (replicas or "
-                "wide-EP across them) or 'disaggregated', or slurm.num_nodes = 2"
+                "wide-EP across them) or 'disaggregated', or slurm.num_nodes = slurm.trainer_nodes + 1"
             )
         if len(deployment.nodes) != inference_nodes and (
             self.slurm.num_nodes > 1 or "nodes" in deployment.model_fields_set
         ):
             raise ValueError(
                 f"inference.deployment.nodes lists {len(deployment.nodes)} node(s), but the Slurm job has "
-                f"{inference_nodes} inference node(s) (slurm.num_nodes - 1, or 1 on one node) and fills in their "
-                "hostnames itself; drop inference.deployment.nodes, or change slurm.num_nodes"
+                f"{inference_nodes} inference node(s) (slurm.num_nodes - slurm.trainer_nodes, or 1 on one node) and "
+                "fills in their hostnames itself; drop inference.deployment.nodes, or change slurm.num_nodes"
             )
         return self
 
@@ -326,10 +364,13 @@ def _slurm_inference_nodes(slurm: Any, inf: dict[str, Any]) -> list[str] | None:
         return None
     if deployment.get("kind") not in ("multi_node", "disaggregated"):
         return None  # one inference node: _check_slurm says so if the job has more
-    num_nodes = slurm_table.get("num_nodes", 1)
-    if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 2:
+    try:
+        slurm_config = SlurmConfig.model_validate(slurm_table)
+    except ValueError:
+        return None  # field validation reports it
+    if slurm_config.num_nodes < 2:
         return None
-    return [f"{SLURM_NODE_PLACEHOLDER}{k}" for k in range(num_nodes - 1)]
+    return [f"{SLURM_NODE_PLACEHOLDER}{k}" for k in range(slurm_config.num_inference_nodes)]
 
 
 def _derived_inference_urls(inf: dict) -> dict[str, Any]:

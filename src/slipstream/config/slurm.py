@@ -13,14 +13,19 @@ class SlurmConfig(BaseConfig):
     and runs `sbatch` (`--dry-run`: only writes them and prints the sbatch command). The run directory must be on a
     filesystem every node of the job sees.
 
-    Layouts: one node runs inference, orchestrator and trainer (`num_nodes = 1`); with more, every node but the last
-    runs inference and the last one trainer + orchestrator, weights travelling by `weights.transport`."""
+    Layouts: one node runs inference, orchestrator and trainer (`num_nodes = 1`); with more, the first
+    num_nodes - trainer_nodes run inference and the last trainer_nodes the trainer (the orchestrator beside its
+    first rank), weights travelling by `weights.transport`."""
 
     num_nodes: int = Field(1, ge=1)
-    """Nodes of the job. 1: everything on one node. N >= 2: inference on the first N - 1 nodes (the inference
-    deployment's nodes, whose hostnames the job fills into inference.deployment.nodes: with N > 2 set
-    inference.deployment.kind to 'multi_node' or 'disaggregated'), trainer and orchestrator on the last one (set
-    weights.transport: 'filesystem' through the shared run directory, or 'nccl' between GPU nodes)."""
+    """Nodes of the job. 1: everything on one node. N >= 2: inference on the first N - trainer_nodes nodes (the
+    inference deployment's nodes, whose hostnames the job fills into inference.deployment.nodes: with more than one
+    set inference.deployment.kind to 'multi_node' or 'disaggregated'), trainer and orchestrator on the last ones
+    (set weights.transport: 'filesystem' through the shared run directory, or 'nccl' between GPU nodes)."""
+
+    trainer_nodes: int = Field(1, ge=1)
+    """Nodes of the job for the trainer, the last ones (torchrun across them: launch.trainer_nodes); the first of
+    them also runs the orchestrator. The inference deployment gets the other num_nodes - trainer_nodes nodes."""
 
     job_name: str = Field("slipstream", min_length=1)
     """Slurm job name (`squeue` shows it)."""
@@ -75,8 +80,23 @@ class SlurmConfig(BaseConfig):
     node_template: Path | None = None
     """Custom Jinja template of the per-node script; None: slipstream/launch/templates/slurm_node.sh.jinja."""
 
+    @property
+    def num_inference_nodes(self) -> int:
+        """Nodes of the inference deployment: all but the trainer's, or the one node of a one-node job."""
+        return max(self.num_nodes - self.trainer_nodes, 1)
+
     @model_validator(mode="after")
     def _check_layout(self) -> "SlurmConfig":
+        if self.num_nodes == 1 and self.trainer_nodes > 1:
+            raise ValueError(
+                f"slurm.trainer_nodes = {self.trainer_nodes} needs a job of more nodes than slurm.num_nodes = 1 "
+                "(inference takes at least one node of its own)"
+            )
+        if self.num_nodes > 1 and self.trainer_nodes >= self.num_nodes:
+            raise ValueError(
+                f"slurm.trainer_nodes ({self.trainer_nodes}) leaves no node for inference in a job of "
+                f"slurm.num_nodes = {self.num_nodes}; raise num_nodes or lower trainer_nodes"
+            )
         for name in ("job_template", "node_template"):
             path = getattr(self, name)
             if path is not None and not Path(path).expanduser().is_file():

@@ -20,6 +20,7 @@ from slipstream.launch.placement import detect_visible_gpus
 from slipstream.launch.plan import ProcessSpec, build_plan, resolve_config, write_configs
 from slipstream.launch.restarts import InferenceRestarts
 from slipstream.launch.supervisor import ChildFailed, Supervisor, first_error, tail
+from slipstream.launch.trainer_nodes import launch_id, publish_launch, run_secondary_trainer
 from slipstream.rundir import RunDir, RunLock, RunLockedError, launcher_env, wait_no_run_processes
 from slipstream.transport.checkpoints import committed_run_steps, prepare_resume, prune_checkpoints, resolve_run_step
 from slipstream.transport.weights import is_ready
@@ -40,6 +41,8 @@ def _raise_stop(signum: int, frame: object) -> None:
 def run_rl(config: RLConfig) -> int:
     """Run the whole RL job holding the run directory's lock; return the exit code (0 = all steps done, 2 = the
     directory is in use or the config cannot run)."""
+    if config.launch.trainer_node_rank > 0:
+        return run_secondary_trainer(config)  # trainer node 0 holds the run directory's lock
     return run_locked(RunDir(config.output_dir), lambda run: _run_locked(config, run), _say)
 
 
@@ -72,12 +75,15 @@ def claim_run_dir(run: RunDir) -> RunLock:
 def _run_locked(config: RLConfig, run: RunDir) -> int:
     try:
         config, gpus = resolve_node_config(config)
+        if config.launch.trainer_nodes > 1:
+            launch_id(config)  # checked before anything starts
     except (FileNotFoundError, ValueError) as e:  # ConfigError is a ValueError
         for line in str(e).splitlines():
             _say(f"error: {line}", err=True)
         return 2
     write_configs(config)
     write_admin_token(config.output_dir)
+    publish_launch(config)  # a trainer spanning nodes: the others start on these configs
     specs = {spec.name: spec for spec in build_plan(config, gpus=gpus)}
     sup = Supervisor(grace_s=config.launch.shutdown_grace_s, env=launcher_env(run))
     old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -61,7 +61,7 @@ def build_plan(config: RLConfig, python: str = sys.executable, gpus: Sequence[in
     paths, run = config_paths(config), RunDir(config.output_dir)
     cli = [python, "-m", "slipstream"]
     torchrun = [
-        python, "-m", "torch.distributed.run", "--standalone",
+        python, "-m", "torch.distributed.run", *rendezvous_args(config),
         "--nproc-per-node", str(placement.num_trainer_procs),
         "-m", "slipstream",
     ]  # fmt: skip
@@ -76,7 +76,7 @@ def build_plan(config: RLConfig, python: str = sys.executable, gpus: Sequence[in
         ProcessSpec(
             "trainer",
             [*torchrun, "trainer", "-c", str(paths["trainer"])],
-            run.log_path("trainer"),
+            run.log_path(trainer_log_name(config)),
             {**env, **placement.env("trainer")},
             False,
         ),
@@ -89,6 +89,27 @@ def build_plan(config: RLConfig, python: str = sys.executable, gpus: Sequence[in
         ),
     ]
     return [spec for spec in specs if spec.name in placement.run]
+
+
+def rendezvous_args(config: RLConfig) -> list[str]:
+    """torchrun's rendezvous: standalone on one node; with launch.trainer_nodes > 1, this node's rank and trainer
+    node 0's address (a static rendezvous: every node knows its rank)."""
+    launch = config.launch
+    if launch.trainer_nodes == 1:
+        return ["--standalone"]
+    return [
+        "--nnodes", str(launch.trainer_nodes),
+        "--node-rank", str(launch.trainer_node_rank),
+        "--master-addr", launch.trainer_master_addr,
+        "--master-port", str(launch.trainer_master_port),
+    ]  # fmt: skip
+
+
+def trainer_log_name(config: RLConfig) -> str:
+    """`trainer` (logs/trainer.log) on trainer node 0, `trainer_node<r>` on the others (they share the run
+    directory)."""
+    rank = config.launch.trainer_node_rank
+    return "trainer" if rank == 0 else f"trainer_node{rank}"
 
 
 def resolve_config(config: RLConfig, gpus: Sequence[int] | None = None) -> RLConfig:

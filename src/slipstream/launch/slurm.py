@@ -6,8 +6,9 @@ launcher does (placement, supervision, inference restarts, killing every child w
 also holds on each node. Layouts: one node runs all three processes in the run directory; with N >= 2 nodes, nodes 0 .. N-2
 run the inference deployment (node k in its own directory `slurm/nodes/inference_<k>/`: its lock, config and logs;
 rank k of inference.deployment.nodes, which the job fills with the hostnames Slurm gives them; the router, or the
-wide-EP head, on node 0) and node N-1 runs trainer and orchestrator in the run directory, reaching inference (and
-each engine, for admin calls) by those hostnames.
+wide-EP head, on node 0) and the last slurm.trainer_nodes nodes run the trainer (torchrun across them, rendezvous on
+the first) and, beside its first rank, the orchestrator, in the run directory, reaching inference (and each engine,
+for admin calls) by those hostnames.
 """
 
 import shlex
@@ -54,16 +55,18 @@ def slurm_dir(config: RLConfig) -> Path:
 
 def node_configs(config: RLConfig) -> dict[str, RLConfig]:
     """role -> the config of the node with that role, in node order: [slurm] removed, output_dir absolute,
-    deployment.run set. With several nodes, every node but the last runs inference (role `inference`, or
+    deployment.run set. With several nodes, the first num_nodes - trainer_nodes run inference (role `inference`, or
     `inference_<k>` with several), each in its own directory, listening on every interface, as rank k of the
-    inference deployment; the last runs trainer and orchestrator (`trainer`). inference.deployment.nodes holds
-    placeholders (`slurm-node-<k>`): each node's script passes the job's hostnames instead."""
-    assert config.slurm is not None
+    inference deployment; the last trainer_nodes run the trainer (`trainer`, with the orchestrator, then
+    `trainer_<r>`: launch.trainer_node_rank r) in the run directory. inference.deployment.nodes holds placeholders
+    (`slurm-node-<k>`): each node's script passes the job's hostnames instead."""
+    slurm = config.slurm
+    assert slurm is not None
     root = Path(config.output_dir).resolve()
     common: dict[str, Any] = {"output_dir": str(root), "slurm": None, "dry_run": False}
-    if config.slurm.num_nodes == 1:
+    if slurm.num_nodes == 1:
         return {"all": config.rebuilt(common)}
-    num_inference = config.slurm.num_nodes - 1
+    num_inference = slurm.num_inference_nodes
     nodes = [f"{SLURM_NODE_PLACEHOLDER}{k}" for k in range(num_inference)]
     configs = {}
     for k in range(num_inference):
@@ -76,8 +79,11 @@ def node_configs(config: RLConfig) -> dict[str, RLConfig]:
                 "inference": {"host": "0.0.0.0", "deployment": deployment},
             }
         )
-    trainer = {"deployment": {"run": ["trainer", "orchestrator"]}, "inference": {"deployment": {"nodes": nodes}}}
-    configs["trainer"] = config.rebuilt({**common, **trainer})
+    for r in range(slurm.trainer_nodes):
+        run = ["trainer", "orchestrator"] if r == 0 else ["trainer"]
+        launch = {"trainer_nodes": slurm.trainer_nodes, "trainer_node_rank": r}
+        changes = {"deployment": {"run": run}, "inference": {"deployment": {"nodes": nodes}}, "launch": launch}
+        configs["trainer" if r == 0 else f"trainer_{r}"] = config.rebuilt({**common, **changes})
     return configs
 
 
@@ -123,7 +129,7 @@ def template_variables(config: RLConfig, slurm: SlurmConfig, roles: list[NodeRol
         "slurm_dir": str(folder),
         "logs_dir": str(folder / "logs"),
         "inference_port": config.inference.port,
-        "num_inference_nodes": max(slurm.num_nodes - 1, 1),
+        "num_inference_nodes": slurm.num_inference_nodes,
         "collective_weights": config.weights.transport in ("nccl", "gloo"),
         "roles": [{"name": r.name, "node_dir": str(r.node_dir), "config": str(r.config)} for r in roles],
     }

@@ -17,6 +17,7 @@ if [[ "${#hosts[@]}" -ne 3 ]]; then
   exit 2
 fi
 export PYTHONUNBUFFERED=1
+export SLIPSTREAM_LAUNCH_ID="job-${job_id}"  # trainer nodes start on the configs its first node writes for this job
 
 python=/opt/venv/bin/python
 exit_dir=/TMP/run/slurm/job_${job_id}
@@ -27,6 +28,7 @@ inference_host=${hosts[0]}
 inference_nodes=$(printf '"%s",' "${hosts[@]:0:2}")
 overrides+=(--orchestrator.inference_url "http://${inference_host}:8123")
 overrides+=(--inference.deployment.nodes "[${inference_nodes%,}]")
+# the trainer's nodes are the last 1: torchrun's rendezvous and the weight transfer's store on the first
 trainer_host=${hosts[2]}
 overrides+=(--weights.master_addr "$trainer_host")
 case "$node_id" in
@@ -51,6 +53,9 @@ peer_ended_at=""
 while kill -0 "$launcher" 2>/dev/null; do
   for peer in "${peers[@]}"; do
     if [[ "$peer" != "$role" && -z "$stopped_for" && -f "$exit_dir/$peer.exit" ]]; then
+      if [[ "$peer" == trainer_* && "$(cat "$exit_dir/$peer.exit")" == 0 ]]; then
+        continue  # another trainer node's ranks finished: the first trainer node (orchestrator) ends the run
+      fi
       now=$(date +%s)
       peer_ended_at=${peer_ended_at:-$now}
       # inference has nothing to save: it stops at once; the trainer gets slurm.grace_s to finish a checkpoint

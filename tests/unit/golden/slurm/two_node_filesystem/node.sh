@@ -17,6 +17,7 @@ if [[ "${#hosts[@]}" -ne 2 ]]; then
   exit 2
 fi
 export PYTHONUNBUFFERED=1
+export SLIPSTREAM_LAUNCH_ID="job-${job_id}"  # trainer nodes start on the configs its first node writes for this job
 
 python=/opt/venv/bin/python
 exit_dir=/TMP/run/slurm/job_${job_id}
@@ -48,6 +49,9 @@ peer_ended_at=""
 while kill -0 "$launcher" 2>/dev/null; do
   for peer in "${peers[@]}"; do
     if [[ "$peer" != "$role" && -z "$stopped_for" && -f "$exit_dir/$peer.exit" ]]; then
+      if [[ "$peer" == trainer_* && "$(cat "$exit_dir/$peer.exit")" == 0 ]]; then
+        continue  # another trainer node's ranks finished: the first trainer node (orchestrator) ends the run
+      fi
       now=$(date +%s)
       peer_ended_at=${peer_ended_at:-$now}
       # inference has nothing to save: it stops at once; the trainer gets slurm.grace_s to finish a checkpoint
