@@ -19,7 +19,7 @@ from slipstream.launch.models import resolve_run_model
 from slipstream.launch.placement import detect_visible_gpus
 from slipstream.launch.plan import ProcessSpec, build_plan, resolve_config, write_configs
 from slipstream.launch.restarts import InferenceRestarts
-from slipstream.launch.supervisor import ChildFailed, Supervisor, first_error, tail
+from slipstream.launch.supervisor import ChildFailed, Supervisor
 from slipstream.launch.trainer_nodes import launch_id, publish_launch, run_secondary_trainer
 from slipstream.rundir import RunDir, RunLock, RunLockedError, launcher_env, wait_no_run_processes
 from slipstream.transport.checkpoints import committed_run_steps, prepare_resume, prune_checkpoints, resolve_run_step
@@ -98,9 +98,8 @@ def _run_locked(config: RLConfig, run: RunDir) -> int:
             _print_heldout(config.output_dir)
         return 0
     except ChildFailed as e:
-        _say(f"error: {e}; last lines of its log:\n{tail(e.log_path, offset=e.log_offset)}", err=True)
-        if (cause := first_error(e.log_path, e.log_offset)) is not None:
-            _say(f"first error in {e.log_path.name}: {cause}", err=True)
+        for line in e.report():
+            _say(line, err=True)
         return 1
     except TimeoutError as e:
         _say(f"error: {e}", err=True)

@@ -40,6 +40,14 @@ class ChildFailed(RuntimeError):
         how = f"was killed by signal {-returncode}" if returncode < 0 else f"exited with code {returncode}"
         super().__init__(f"{name} {how} (log: {log_path})")
 
+    def report(self) -> list[str]:
+        """What a launcher says about it: the failure with the last lines of this start's log, and the first error
+        line in it when there is one."""
+        lines = [f"error: {self}; last lines of its log:\n{tail(self.log_path, offset=self.log_offset)}"]
+        if (cause := first_error(self.log_path, self.log_offset)) is not None:
+            lines.append(f"first error in {self.log_path.name}: {cause}")
+        return lines
+
 
 class Supervisor:
     """Owns the children of one run."""

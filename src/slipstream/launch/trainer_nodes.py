@@ -16,7 +16,7 @@ from slipstream.config.rl import RLConfig
 from slipstream.launch.models import resolve_run_model
 from slipstream.launch.placement import detect_visible_gpus
 from slipstream.launch.plan import build_plan, resolve_config
-from slipstream.launch.supervisor import ChildFailed, Supervisor, first_error, tail
+from slipstream.launch.supervisor import ChildFailed, Supervisor
 from slipstream.rundir import RunDir, launcher_env
 from slipstream.utils.fs import atomic_write_text
 
@@ -88,9 +88,8 @@ def run_secondary_trainer(config: RLConfig) -> int:
         _say(f"trainer node {rank}: done")
         return 0
     except ChildFailed as e:
-        _say(f"error: {e}; last lines of its log:\n{tail(e.log_path, offset=e.log_offset)}", err=True)
-        if (cause := first_error(e.log_path, e.log_offset)) is not None:
-            _say(f"first error in {e.log_path.name}: {cause}", err=True)
+        for line in e.report():
+            _say(line, err=True)
         return 1
     except _Stop as e:
         _say(f"received {e}; stopping the trainer's ranks", err=True)
