@@ -1,4 +1,5 @@
-"""A transformers-backed stand-in for vLLM serving a vision-language model (the tiny Qwen3-VL), for tests only:
+"""A transformers-backed stand-in for vLLM serving a vision-language model (the tiny VLMs of models/tiny_vlm.py:
+Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE), for tests only:
 vLLM's CPU build cannot serve Qwen3-VL here (it needs torchvision, which only has CUDA builds; docs/vlm.md).
 
 It serves the surface the orchestrator uses, in vLLM's shapes: chat completions (whole or streamed) with
@@ -135,19 +136,23 @@ class VLMEngine:
         return logprobs_L.tolist()
 
     def load(self, folder: Path) -> None:
-        """Load a published weights folder (its safetensors files, the checkpoint's own names) in place."""
-        from safetensors.torch import load_file
+        """Load a published weights folder (its safetensors files, the checkpoint's own names and layout) in place.
+        The tensors go through transformers' loader (`from_pretrained` with the served model's config), which converts
+        a checkpoint's layout into the model's (MoE experts: per-expert or transposed in the checkpoint, fused in the
+        model); every parameter must come from the folder."""
+        from transformers import AutoModelForImageTextToText
 
-        files = sorted(folder.glob("*.safetensors"))
-        if not (folder / "READY").exists() or not files:
+        if not (folder / "READY").exists() or not any(folder.glob("*.safetensors")):
             raise RequestError(f"{folder} is not a complete published weights folder (no READY marker or tensors)")
-        state = {}
-        for file in files:
-            state.update(load_file(file))
+        loaded, info = AutoModelForImageTextToText.from_pretrained(
+            folder, config=self.model.config, generation_config=self.model.generation_config, dtype=self.model.dtype,
+            output_loading_info=True,
+        )  # fmt: skip
+        wrong = {kind: list(info[kind])[:5] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+        if any(wrong.values()):
+            raise RequestError(f"{folder} does not hold this model's tensors: {wrong}")
         with self.lock:
-            missing, unexpected = self.model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise RequestError(f"{folder}: missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
+            self.model.load_state_dict(loaded.state_dict(), strict=True)
         self.loads.append(str(folder))
 
 

@@ -1,6 +1,7 @@
-"""The VLM stand-in server (slipstream_sim/vlm_server.py) on the tiny Qwen3-VL: its replies parse with the
-orchestrator's own readers (whole and streamed), every log-prob is the model's (recomputed over the whole sequence),
-seeded requests repeat, prompt scoring, the filesystem weight update changes what is served, and refusals."""
+"""The VLM stand-in server (slipstream_sim/vlm_server.py) on every tiny VLM family (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5,
+Qwen3.5-MoE): its replies to a prompt with an image parse with the orchestrator's own readers (whole and streamed),
+every log-prob is the model's (recomputed over the whole sequence), seeded requests repeat, prompt scoring, the
+filesystem weight update loads a folder the trainer published (the probe scores as the trainer's), and refusals."""
 
 import json
 
@@ -9,15 +10,20 @@ import torch
 from starlette.testclient import TestClient
 
 from slipstream.envs.count_shapes import CountShapesEnv
-from slipstream.models.tiny_vlm import build_tiny_vlm
+from slipstream.models.tiny_vlm import VLM_FAMILIES, build_tiny_vlm
 from slipstream.rollout.replies import parse_chat_response
 from slipstream.rollout.streaming import StreamedChat
 from slipstream_sim.vlm_server import VLMEngine, VLMServer
 
 
+@pytest.fixture(scope="module", params=VLM_FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
-    return build_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm") / "qwen3_vl")
+def vlm_dir(tmp_path_factory, family):
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm") / family, family=family)
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +68,10 @@ def test_whole_and_streamed_replies_parse_and_hold_the_models_logprobs(engine, t
 
 def test_prompt_scoring_and_a_weight_update_from_a_published_folder(vlm_dir, tmp_path):
     from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from slipstream.trainer.policy import load_model
+    from slipstream.trainer.weights import publish_weights
 
     engine = VLMEngine(vlm_dir)  # its own: the update changes the weights
     client = TestClient(VLMServer(engine).app)
@@ -69,22 +79,36 @@ def test_prompt_scoring_and_a_weight_update_from_a_published_folder(vlm_dir, tmp
     before = client.post("/v1/completions", json=probe).json()["choices"][0]["prompt_logprobs"]
     assert before[0] is None and len(before) == 5
     assert before[1]["6"]["logprob"] == pytest.approx(engine.score(probe["prompt"])[0])
-    folder = tmp_path / "step_1"
-    folder.mkdir()
-    state = load_file(vlm_dir / "model.safetensors")
-    state["lm_head.weight"] = state["lm_head.weight"] * 2
-    save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, folder / "model.safetensors")
+    # The trainer's model (float32 masters) with a changed LM head, published in bfloat16 as a trainer step does.
+    model, _ = load_model(vlm_dir, "auto", vlm=True)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    folder = publish_weights(
+        model, AutoTokenizer.from_pretrained(vlm_dir), tmp_path, 1, probe["prompt"], torch.bfloat16, vlm_dir
+    )
     info = {"update_info": {"step": 1, "path": str(folder)}}
     assert client.post("/start_weight_update").status_code == 400  # not paused
     assert client.post("/pause", params={"mode": "keep"}).status_code == 200
     assert client.post("/start_weight_update").status_code == 200
-    assert "READY" in client.post("/update_weights", json=info).json()["message"]  # no READY marker yet
-    (folder / "READY").write_text("")
+    (folder / "READY").rename(folder / "READY.later")
+    assert "READY" in client.post("/update_weights", json=info).json()["message"]  # no READY marker
+    (folder / "READY.later").rename(folder / "READY")
+    partial = tmp_path / "partial"  # a folder without the LM head: refused, nothing loaded
+    partial.mkdir()
+    state = load_file(vlm_dir / "model.safetensors")
+    save_file({k: v for k, v in state.items() if not k.startswith("lm_head.")}, partial / "model.safetensors")
+    (partial / "READY").write_text("")
+    reply = client.post("/update_weights", json={"update_info": {"step": 1, "path": str(partial)}})
+    assert reply.status_code == 400 and "lm_head.weight" in reply.json()["message"]
     assert client.post("/update_weights", json=info).status_code == 200
     assert client.post("/finish_weight_update", json={"weight_version": "1"}).status_code == 200
     assert client.post("/resume").status_code == 200
     after = client.post("/v1/completions", json=probe).json()["choices"][0]["prompt_logprobs"]
     assert engine.version == 1 and after[1]["6"]["logprob"] != before[1]["6"]["logprob"]
+    # The weight check: the stand-in scores the probe as the trainer's published bfloat16 copy did.
+    served = [entry[str(token)]["logprob"] for entry, token in zip(after[1:], probe["prompt"][1:], strict=True)]
+    expected = json.loads((folder / "probe.json").read_text())["logprobs"]
+    assert served == pytest.approx(expected, abs=1e-5)
 
 
 def test_refusals(engine, task):

@@ -4,7 +4,7 @@ import argparse
 from pathlib import Path
 
 from slipstream.models.tiny import FAMILIES
-from slipstream.models.tiny_vlm import VLM_FAMILY
+from slipstream.models.tiny_vlm import VLM_FAMILIES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,8 +19,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="model cache (default $SLIPSTREAM_CACHE_DIR or ~/.cache/slipstream)",
     )
     imp.add_argument("--force", action="store_true", help="re-import even if the folder exists")
-    tiny = sub.add_parser("tiny", help="build a tiny random model with a locally trained tokenizer (for tests)")
-    tiny.add_argument("--family", choices=(*FAMILIES, VLM_FAMILY), required=True)
+    tiny = sub.add_parser(
+        "tiny",
+        help="build a tiny random model with a locally trained tokenizer (for tests); the vision-language families "
+        f"({', '.join(VLM_FAMILIES)}) come with an image processor",
+    )
+    tiny.add_argument("--family", choices=(*FAMILIES, *VLM_FAMILIES), required=True)
     tiny.add_argument("--out", type=Path, required=True, help="output folder")
     tiny.add_argument("--seed", type=int, default=0)
     return parser
@@ -38,10 +42,10 @@ def main(argv: list[str]) -> int:
             return 2
         print(path)
         return 0
-    if args.family == VLM_FAMILY:
+    if args.family in VLM_FAMILIES:
         from slipstream.models.tiny_vlm import build_tiny_vlm
 
-        print(build_tiny_vlm(args.out, seed=args.seed))
+        print(build_tiny_vlm(args.out, seed=args.seed, family=args.family))
         return 0
     from slipstream.models.tiny import build_tiny_model
 

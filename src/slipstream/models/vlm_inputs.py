@@ -1,4 +1,5 @@
-"""Vision-language model inputs for Qwen3-VL-style models: the prompt tokens with each image's placeholder expanded
+"""Vision-language model inputs for Qwen3-VL-style models (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE: the same
+vision tokens, image processor and M-RoPE token types): the prompt tokens with each image's placeholder expanded
 to one `<|image_pad|>` per merged patch (as Qwen3VLProcessor and vLLM expand it), the image processor's pixel values
 and grid sizes, the token-type ids M-RoPE needs, and the image spans a sample may never be cut inside.
 
