@@ -123,16 +123,10 @@ def _check_published_round_trip(model, vlm_dir, tmp_path) -> None:
         assert torch.equal(loaded[name], param.to(torch.bfloat16)), name
 
 
-def test_published_tensors_have_the_checkpoints_layout(family, vlm_dir, tmp_path, request):
+def test_published_tensors_have_the_checkpoints_layout(family, vlm_dir, tmp_path):
     """What inference reloads must be laid out as the checkpoint it loaded first: same names and shapes (MoE experts
-    per expert for Qwen3.5-MoE, as save_pretrained writes them)."""
-    if family == "qwen3_vl_moe":
-        reason = (
-            "the trainer publishes transformers 5's fused expert layout ([E, 2 x width, hidden]); Qwen3-VL-MoE "
-            "checkpoints and vLLM use the transposed one ([E, hidden, 2 x width]): trainer/weight_export.py must "
-            "publish the source checkpoint's layout (docs/vlm.md, Left to do)"
-        )
-        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+    per expert for Qwen3.5-MoE, as save_pretrained writes them; Qwen3-VL-MoE's fused experts transposed back from
+    transformers' layout, as the checkpoint holds them). That the values load back: the train-step test."""
     folder = _publish(_model(vlm_dir), vlm_dir, tmp_path)
     assert _tensor_shapes(sorted(folder.glob("*.safetensors"))) == _tensor_shapes([vlm_dir / "model.safetensors"])
 

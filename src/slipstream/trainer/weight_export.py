@@ -12,6 +12,7 @@ The tensors are cast to the published dtype where they are copied into their buc
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -79,6 +80,10 @@ class HFWeightStream:
         # transformers' models keep some tensors in another layout than their checkpoints (MoE experts fused into
         # one [E, ...] tensor per projection): those layers are converted back as save_pretrained does.
         self.converted: list[list[str] | None] = [None] * len(groups)
+        # and some (Qwen3-VL-MoE's fused experts) save_pretrained writes transposed from the checkpoint they came
+        # from, which inference reads: those are published as the source checkpoint lays them out.
+        self.transposed: set[str] = set()
+        source = {} if is_custom_model(model) else source_checkpoint_shapes(model)
         published: list[tuple[str, tuple[int, ...]]] = []
         for k, group in enumerate(groups):
             layout = [(p.hf_name, p.shape) for p in group]
@@ -86,6 +91,10 @@ class HFWeightStream:
                 saved = _checkpoint_layout(model, {p.source: tensors[p.source] for p in group})
                 if saved != layout:
                     self.converted[k], layout = [name for name, _ in saved], saved
+                for i, (name, shape) in enumerate(layout):
+                    if _is_transpose(source.get(name), shape):
+                        self.transposed.add(name)
+                        layout[i] = (name, source[name])
             published += layout
         dtype_name = str(dtype).removeprefix("torch.")
         fp32 = keep_in_fp32(model)
@@ -124,9 +133,18 @@ class HFWeightStream:
                     runs.append(Run(names, tensor[first : first + len(names)], True))
             if self.converted[k] is not None:
                 runs = self._to_checkpoint_layout(runs, self.converted[k])
+            if self.transposed:
+                runs = [self._as_source(run) for run in runs]
             yield runs
             for module in self.owners[k]:
                 module.reshard()
+
+    def _as_source(self, run: Run) -> Run:
+        """A run of one tensor that the source checkpoint holds transposed, as a transposed view (the bucket copy
+        takes strided tensors)."""
+        if len(run.names) == 1 and run.names[0] in self.transposed:
+            return Run(run.names, run.tensor.transpose(-1, -2), False)
+        return run
 
     def _to_checkpoint_layout(self, runs: list[Run], names: list[str]) -> list[Run]:
         """A transformers model's layer in its checkpoint layout (save_pretrained's reverse conversion; copies)."""
@@ -148,6 +166,26 @@ def is_kept_in_fp32(name: str, kept: tuple[str, ...]) -> bool:
     """Whether tensor `name` (dotted) is, or lies in, one of the `kept` names."""
     parts = name.split(".")
     return any(k in parts for k in kept)
+
+
+def source_checkpoint_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape in the safetensors files of the folder a transformers model was loaded from (their
+    headers only); {} when it was not loaded from a local folder."""
+    from safetensors import safe_open
+
+    folder = Path(str(getattr(model, "name_or_path", "") or ""))
+    if not str(folder) or not folder.is_dir():
+        return {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    return shapes
+
+
+def _is_transpose(source: tuple[int, ...] | None, shape: tuple[int, ...]) -> bool:
+    """Whether the source checkpoint holds a tensor of `shape` with its last two dimensions swapped."""
+    return source is not None and len(shape) >= 2 and source != shape and source == (*shape[:-2], shape[-1], shape[-2])
 
 
 def _checkpoint_layout(model: nn.Module, tensors: dict[str, Tensor]) -> list[tuple[str, tuple[int, ...]]]:
