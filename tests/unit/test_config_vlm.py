@@ -110,3 +110,11 @@ def test_cpu_inference_of_a_vlm_is_refused_with_the_stand_in_named(tmp_path):
     )
     placed = resolve_config(load_config(RLConfig, ["-c", str(toml)]), gpus=[])
     assert placed.inference.device == "auto" and placed.trainer.device == "cpu"
+
+
+def test_router_replay_is_refused_for_a_vlm_at_config_time(tmp_path):
+    toml = tmp_path / "rl.toml"
+    toml.write_text(VLM_RL)
+    flags = ["--orchestrator.router_replay", "true", "--inference.enable_return_routed_experts", "true"]
+    with pytest.raises(ConfigError, match=r"router_replay replays experts in Slipstream's own MoE models"):
+        load_config(RLConfig, ["-c", str(toml), *flags])

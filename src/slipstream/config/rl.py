@@ -300,6 +300,11 @@ class RLConfig(BaseConfig):
                 "orchestrator.router_replay needs the routed experts of every request: set "
                 "inference.enable_return_routed_experts = true"
             )
+        if self.orchestrator.router_replay and self.model.vlm is not None:
+            raise ValueError(
+                "orchestrator.router_replay replays experts in Slipstream's own MoE models, but [model.vlm] models "
+                "train through transformers (trainer.model_impl 'hf'); set orchestrator.router_replay = false"
+            )
         return self
 
     def trainer_procs(self) -> int | None:
