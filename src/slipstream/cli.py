@@ -101,6 +101,13 @@ def _main(argv: list[str]) -> int:
     return _run_config_command(command, rest)
 
 
+SLURM_SUBMITTERS = {
+    "rl": ("slipstream.launch.slurm", "submit_rl"),
+    "sft": ("slipstream.launch.slurm_sft", "submit_sft"),
+}
+"""Commands whose config takes [slurm]: the function that submits it."""
+
+
 def _run_config_command(command: str, rest: list[str]) -> int:
     import importlib
 
@@ -121,8 +128,8 @@ def _run_config_command(command: str, rest: list[str]) -> int:
         for line in str(e).splitlines():
             print(f"error: {line}", file=sys.stderr)
         return 2
-    if getattr(config, "slurm", None) is not None:
-        run_module, run_name = "slipstream.launch.slurm", "submit_rl"  # [slurm]: submit the run instead
+    if getattr(config, "slurm", None) is not None:  # [slurm]: submit the run instead
+        run_module, run_name = SLURM_SUBMITTERS[command]
     run = getattr(importlib.import_module(run_module), run_name)
     try:
         result = run(config)

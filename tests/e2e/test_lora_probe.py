@@ -24,8 +24,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 TOKEN = "lora-probe-e2e"
 ADAPTER = "probe-lora"
 TOLERANCE = 1e-3  # fp32 vLLM CPU vs fp32 peft: ~2e-6 measured
-BACKGROUND_TOKENS = 300
-"""Tokens each background request generates (ignore_eos): it runs for seconds, across every probe request."""
+BACKGROUND_TOKENS = 1500
+"""Tokens each background request generates (ignore_eos): it runs for seconds, across every probe request (about
+5 ms a token for the tiny model on a 2-core CPU)."""
 
 
 def _adapter(model_dir, folder) -> tuple[list[int], list[float]]:
@@ -57,7 +58,7 @@ def lora_server(tiny_qwen3_dir, tmp_path_factory):
     token_ids, expected = _adapter(tiny_qwen3_dir, root / "adapter")
     port, log_path = free_port(), root / "inference.log"
     argv = [sys.executable, "-m", "slipstream", "inference", "--model.name", str(tiny_qwen3_dir), "--port", str(port)]
-    argv += ["--model.lora.rank", "8", "--max_model_len", "512", "--max_num_seqs", "8"]
+    argv += ["--model.lora.rank", "8", "--max_model_len", "2048", "--max_num_seqs", "8"]
     url = f"http://127.0.0.1:{port}"
     with running_server(argv, url, log_path, {**os.environ, TOKEN_ENV: TOKEN}):
         os.environ[TOKEN_ENV] = TOKEN  # the client sends it with admin calls
@@ -83,7 +84,7 @@ async def _with_requests_in_flight(url: str, base_model: str, score):
             return (await http.post("/v1/completions", json=body)).status_code
 
         background = [asyncio.create_task(generate(m)) for m in (ADAPTER, ADAPTER, base_model)]
-        await asyncio.sleep(1.0)  # prefilled and decoding
+        await asyncio.sleep(0.5)  # prefilled and decoding
         assert not any(task.done() for task in background), "the background requests ended before the probe"
         try:
             result = await score(client)

@@ -145,18 +145,8 @@ def test_three_node_script_runs_as_three_nodes_on_this_machine(slurm_cluster, ti
         "SLURM_JOB_NODELIST": "localhost,localhost,localhost",
         "SLIPSTREAM_ADMIN_TOKEN": "shared-by-the-job-script",
     }
-    start, nodes = time.monotonic(), []
-    for node_id in (0, 1, 2):
-        log = open(tmp_path / f"node_{node_id}.log", "w")
-        node_env = {**slurm_cluster.env, **env, **allocation, "SLURM_NODEID": str(node_id)}
-        nodes.append(subprocess.Popen(["bash", str(node_script)], env=node_env, stdout=log, stderr=subprocess.STDOUT))
-    try:
-        codes = [node.wait(timeout=600) for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-    logs = [(tmp_path / f"node_{i}.log").read_text() for i in (0, 1, 2)]
+    start = time.monotonic()
+    codes, logs = run_as_nodes(node_script, {**slurm_cluster.env, **env, **allocation}, 3, tmp_path, 600)
     assert codes == [0, 0, 0], f"{logs}\n{_logs(out)}"
     assert [m["step"] for m in _metrics(out)] == [1, 2, 3]
     assert "role inference" in logs[0] and "trainer ended (exit 0); stopping inference" in logs[0], logs[0]
@@ -170,3 +160,57 @@ def test_three_node_script_runs_as_three_nodes_on_this_machine(slurm_cluster, ti
     assert (out / "config" / "orchestrator.toml").read_text().count("num_trainer_ranks = 2") == 1
     _wait_gone(marker)
     print(f"three-node per-node scripts, 3 steps: {time.monotonic() - start:.0f}s")
+
+
+@pytest.mark.timeout(600)
+def test_sft_node_script_runs_as_two_nodes_on_this_machine(slurm_cluster, tiny_qwen3_dir, tmp_path, run_env):
+    """`slipstream sft` with [slurm] num_nodes = 2: the rendered node.sh run twice on this machine as the nodes of a
+    fake 2-node allocation (torchrun's static rendezvous on the first, one gloo rank each) fine-tunes 2 steps over 2
+    data ranks and writes the model folder."""
+    from tests.unit.test_sft_loop import _write_data
+
+    marker, env = run_env
+    out = tmp_path / "run"
+    config = {
+        "model": {"name": str(tiny_qwen3_dir)},
+        "data": {"train_files": [str(_write_data(tmp_path / "train.jsonl", 8, seed=0))]},
+        "output_dir": str(out),
+        "max_steps": 2,
+        "batch_size": 4,
+        "micro_batch_tokens": 64,
+        "device": "cpu",
+        "num_threads": 1,
+        "master_port": free_port(),
+        "slurm": {"num_nodes": 2},
+    }
+    path = write_config(tmp_path / "sft.toml", config)
+    proc = subprocess.run(
+        [sys.executable, "-m", "slipstream", "sft", "-c", str(path), "--dry-run"], env=env, capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    allocation = {"SLURM_JOB_ID": "515151", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "localhost,localhost"}
+    node_script = out / "slurm" / "node.sh"
+    codes, logs = run_as_nodes(node_script, {**slurm_cluster.env, **env, **allocation}, 2, tmp_path, 300)
+    assert codes == [0, 0], "\n".join(logs)
+    assert "2 rank(s), 2 data rank(s)" in logs[0], logs[0]
+    assert [m["step"] for m in _metrics(out)] == [1, 2]
+    assert (RunDir(out).weights_dir(2) / "model.safetensors").exists()
+    _wait_gone(marker)
+
+
+def run_as_nodes(script: Path, env: dict, num_nodes: int, tmp_path: Path, timeout_s: float) -> tuple[list, list]:
+    """Run a rendered node.sh once per node of a fake allocation (SLURM_NODEID 0 .. num_nodes - 1, all at once, each
+    logging to tmp_path/node_<id>.log); their exit codes and logs."""
+    nodes = []
+    for node_id in range(num_nodes):
+        log = open(tmp_path / f"node_{node_id}.log", "w")
+        node_env = {**env, "SLURM_NODEID": str(node_id)}
+        nodes.append(subprocess.Popen(["bash", str(script)], env=node_env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        codes = [node.wait(timeout=timeout_s) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    return codes, [(tmp_path / f"node_{i}.log").read_text() for i in range(num_nodes)]

@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from slipstream.config.base import BaseConfig
 from slipstream.config.shared import CheckpointConfig, ModelConfig
+from slipstream.config.slurm import SlurmConfig
 from slipstream.config.trainer import OptimConfig, ParallelConfig, TrainerConfig
 from slipstream.config.weights import WeightsConfig
 
@@ -99,12 +100,36 @@ class SFTConfig(BaseConfig):
     num_threads: int | None = Field(None, ge=1)
     """torch CPU threads per rank (default: torch's choice)."""
 
+    slurm: SlurmConfig | None = None
+    """Present: `slipstream sft` submits the fine-tuning as a Slurm job instead of running it here: torchrun on
+    every node of the job (slurm.num_nodes), slurm.gpus_per_node ranks each (1 without GPUs), a static rendezvous
+    on the first node at `master_port` (launch/slurm_sft.py). `--dry-run` only writes the scripts."""
+
+    master_port: int = Field(29400, ge=1, le=65535)
+    """With [slurm]: port of torchrun's rendezvous on the job's first node."""
+
+    dry_run: bool = False
+    """`--dry-run` (with [slurm]): write the job script and the node config, print the sbatch command, submit
+    nothing."""
+
     @field_validator("resume_step")
     @classmethod
     def _check_resume_step(cls, value: int | str | None) -> int | str | None:
         if isinstance(value, int) and value < 1:
             raise ValueError(f"resume_step must be >= 1, 'latest' or unset (got {value})")
         return value
+
+    @model_validator(mode="after")
+    def _check_slurm(self) -> "SFTConfig":
+        if self.slurm is None:
+            if self.dry_run:
+                raise ValueError("--dry-run only applies to a Slurm submission: add a [slurm] section, or drop it")
+            return self
+        if "trainer_nodes" in self.slurm.model_fields_set:
+            raise ValueError(
+                "slurm.trainer_nodes places an RL run's trainer; every node of an SFT job trains: remove it"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_validation(self) -> "SFTConfig":

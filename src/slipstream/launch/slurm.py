@@ -15,6 +15,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,7 @@ def template_variables(config: RLConfig, slurm: SlurmConfig, roles: list[NodeRol
         "run_dir": str(Path(config.output_dir).resolve()),
         "slurm_dir": str(folder),
         "logs_dir": str(folder / "logs"),
+        "command": "rl",
         "inference_port": config.inference.port,
         "num_inference_nodes": slurm.num_inference_nodes,
         "collective_weights": config.weights.transport in ("nccl", "gloo"),
@@ -144,7 +146,7 @@ def render(template: Path, variables: dict[str, Any]) -> str:
 
     path = Path(template).expanduser()
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(path.parent)),
+        loader=jinja2.FileSystemLoader([str(path.parent), str(TEMPLATES)]),  # custom templates include ours too
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,  # shell scripts, not HTML: values are quoted with the `q` filter instead
@@ -161,12 +163,16 @@ def render(template: Path, variables: dict[str, Any]) -> str:
 def submit_rl(config: RLConfig) -> int:
     """Render and write the job, then submit it (or with --dry-run print the sbatch command); return the exit code
     (with slurm.wait: the job's)."""
+    assert config.slurm is not None
+    return submit(lambda: render_job(config), config.slurm, config.dry_run)
+
+
+def submit(render_files: Callable[[], SlurmFiles], slurm: SlurmConfig, dry_run: bool) -> int:
+    """Write the job's files (`render_files`), then sbatch it, or with `dry_run` print the sbatch command."""
     from slipstream.config.base import ConfigError
 
-    slurm = config.slurm
-    assert slurm is not None
     try:
-        files = render_job(config)
+        files = render_files()
     except ConfigError as e:
         for line in str(e).splitlines():
             _say(f"error: {line}", err=True)
@@ -175,7 +181,7 @@ def submit_rl(config: RLConfig) -> int:
     _say(
         f"wrote {files.job_script}, {files.node_script.name} and {', '.join(p.name for p in files.node_configs.values())}"
     )
-    if config.dry_run:
+    if dry_run:
         print(shlex.join(command), flush=True)
         return 0
     if shutil.which("sbatch") is None:

@@ -44,6 +44,11 @@ def run_sft(config: SFTConfig) -> None:
     trainer = setup_trainer(trainer_config)
     try:
         data = build_data(config, trainer)
+        if trainer.info.is_main:
+            log.info(
+                f"{len(data.train)} training samples, {len(data.val)} validation samples; {trainer.world_size} "
+                f"rank(s), {trainer.num_data_ranks} data rank(s)"
+            )
         cursor = setup_progress(config, trainer, len(data.train))
         writer = MetricsWriter(config.output_dir) if trainer.info.is_main else None
         nonfinite = NonFiniteGuard(trainer_config.max_nonfinite_steps)
