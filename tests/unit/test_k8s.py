@@ -2,6 +2,7 @@
 (kubernetes-validate, strict), pods get predictable names and their share of one node's GPUs, the admin token is a
 Secret read through env, and the per-process configs in the ConfigMap load back and point at the right pods."""
 
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -71,6 +72,30 @@ def test_gpu_split_names_token_and_configs():
     assert trainer.weights.master_addr == host.format(name, "trainer") and trainer.weights.transport == "nccl"
     assert str(trainer.output_dir) == "/workspace/outputs/qwen3_30b_a3b" == str(orchestrator.output_dir)
     assert orchestrator.num_trainer_ranks == 6
+
+
+def test_a_trainer_across_pods_gets_one_pod_per_node_and_a_rendezvous_at_the_first():
+    """launch.trainer_nodes = 2: the trainer StatefulSet has 2 pods, each running torchrun with its ordinal as node
+    rank, the rendezvous at pod 0, its own exit marker; the orchestrator writes a batch for every rank of both."""
+    import kubernetes_validate
+
+    path = next(p for p in EXAMPLES if p.parent.name == "qwen3_30b_a3b")
+    files = render_manifests(_example(path, "--launch.trainer_nodes", "2"), token="t")
+    objects = _by_kind(files)
+    name, host = "qwen3-30b-a3b", "qwen3-30b-a3b-trainer-0.qwen3-30b-a3b-trainer.default.svc.cluster.local"
+    trainer = objects[("StatefulSet", f"{name}-trainer")]
+    assert (
+        trainer["spec"]["replicas"] == 2 and objects[("StatefulSet", f"{name}-orchestrator")]["spec"]["replicas"] == 1
+    )
+    script = trainer["spec"]["template"]["spec"]["containers"][0]["command"][-1]
+    assert script.startswith('rank="${HOSTNAME##*-}"; ')
+    assert subprocess.run(["sh", "-n", "-c", script]).returncode == 0  # valid for the container's /bin/sh
+    assert f'--nproc-per-node 6 --nnodes 2 --master-addr {host} --master-port 29400 --node-rank "$rank"' in script
+    assert 'm=/workspace/outputs/qwen3_30b_a3b/k8s/trainer_"$rank".exit;' in script
+    data = objects[("ConfigMap", f"{name}-config")]["data"]
+    assert OrchestratorConfig.model_validate(tomllib.loads(data["orchestrator.toml"])).num_trainer_ranks == 12
+    for manifest in yaml.safe_load_all(to_yaml(files["trainer.yaml"])):
+        kubernetes_validate.validate(manifest, kubernetes_validate.latest_version(), strict=True)
 
 
 def test_mooncake_master_runs_beside_the_head_inference_pod():

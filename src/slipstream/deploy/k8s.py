@@ -68,6 +68,7 @@ def cluster_config(config: RLConfig) -> tuple[RLConfig, Placement]:
         "orchestrator": {"inference_url": f"http://{pod_host(config, 'inference')}:{config.inference.port}"},
         # Pods have their own network namespace: a fixed port (weights.master_port 0 = auto is a launcher choice).
         "weights": {"master_addr": pod_host(config, "trainer"), "master_port": config.weights.master_port or 29611},
+        "launch": {"trainer_master_addr": pod_host(config, "trainer")},  # torchrun's rendezvous across trainer pods
     }
     config = config.rebuilt(changes)
     placement = place_config(config, list(range(k8s.gpus)))
@@ -107,24 +108,37 @@ def render_manifests(config: RLConfig, token: str | None = None) -> dict[str, li
 
 def _command(config: RLConfig, role: str, placement: Placement) -> list[str]:
     config_file = f"{CONFIG_DIR}/{role}.toml"
+    markers = shlex.quote(f"{config.output_dir}/k8s")
     if role == "inference":
         return ["python", "-m", "slipstream", "inference", "-c", config_file]
     if role == "trainer":
-        argv = ["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                str(placement.num_trainer_procs), "-m", "slipstream", "trainer", "-c", config_file]  # fmt: skip
-    else:
-        argv = ["python", "-m", "slipstream", "orchestrator", "-c", config_file]
-    return ["/bin/sh", "-c", _run_once(argv, f"{config.output_dir}/k8s/{role}.exit")]
+        launch = config.launch
+        torchrun = ["python", "-m", "torch.distributed.run", "--nproc-per-node", str(placement.num_trainer_procs)]
+        run = shlex.join(["-m", "slipstream", "trainer", "-c", config_file])
+        if launch.trainer_nodes == 1:
+            return [
+                "/bin/sh",
+                "-c",
+                _run_once(f"{shlex.join([*torchrun, '--standalone'])} {run}", f"{markers}/trainer.exit"),
+            ]
+        # one pod per trainer node: its rank is the StatefulSet ordinal (pod <name>-trainer-<rank>)
+        nodes = ["--nnodes", str(launch.trainer_nodes), "--master-addr", launch.trainer_master_addr]
+        nodes += ["--master-port", str(launch.trainer_master_port)]
+        command = f'{shlex.join([*torchrun, *nodes])} --node-rank "$rank" {run}'
+        return ["/bin/sh", "-c", 'rank="${HOSTNAME##*-}"; ' + _run_once(command, f'{markers}/trainer_"$rank".exit')]
+    command = shlex.join(["python", "-m", "slipstream", "orchestrator", "-c", config_file])
+    return ["/bin/sh", "-c", _run_once(command, f"{markers}/orchestrator.exit")]
 
 
-def _run_once(argv: list[str], marker: str) -> str:
-    """Shell that runs `argv` once per run: its exit code is kept in `marker`; a restarted container idles after a
-    success and fails again with the recorded code after a failure (delete the marker to run it again)."""
+def _run_once(command: str, marker: str) -> str:
+    """Shell that runs `command` once per run: its exit code is kept in the file `marker` (a shell word); a
+    restarted container idles after a success and fails again with the recorded code after a failure (delete the
+    marker to run it again)."""
     return (
-        f"m={shlex.quote(marker)}; "
+        f"m={marker}; "
         'if [ -f "$m" ]; then rc=$(cat "$m"); echo "already ran (exit $rc, recorded in $m)"; '
         '[ "$rc" = 0 ] && exec sleep infinity; exit "$rc"; fi; '
-        f'mkdir -p "$(dirname "$m")"; {shlex.join(argv)}; rc=$?; echo "$rc" > "$m"; '
+        f'mkdir -p "$(dirname "$m")"; {command}; rc=$?; echo "$rc" > "$m"; '
         '[ "$rc" = 0 ] && exec sleep infinity; exit "$rc"'
     )
 
@@ -205,7 +219,7 @@ def _stateful_set(config: RLConfig, role: str, containers: list[Manifest]) -> Ma
         "metadata": _meta(config, name, role),
         "spec": {
             "serviceName": name,
-            "replicas": 1,
+            "replicas": config.launch.trainer_nodes if role == "trainer" else 1,
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": _labels(config, role)},
             "template": {"metadata": {"labels": _labels(config, role)}, "spec": pod},
