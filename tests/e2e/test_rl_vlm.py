@@ -51,7 +51,7 @@ def _config(model_dir: Path, out: Path, port: int) -> dict:
     return config
 
 
-@pytest.mark.parametrize("trained_encoder", [False, True], ids=["frozen_encoder", "trained_encoder_fsdp2"])
+@pytest.mark.parametrize("trained_encoder", [False, True], ids=["frozen_encoder", "trained_encoder_fsdp2_multi_turn"])
 def test_tiny_qwen3_vl_trains_on_count_shapes_through_the_stand_in(trained_encoder, tmp_path, run_env):
     marker, env = run_env
     model_dir = build_tiny_vlm(tmp_path / "qwen3_vl")
@@ -60,6 +60,9 @@ def test_tiny_qwen3_vl_trains_on_count_shapes_through_the_stand_in(trained_encod
     if trained_encoder:
         config["model"]["vlm"]["freeze_vision_encoder"] = False
         config["launch"]["num_trainer_procs"] = 2
+        # and multi-turn: a wrong count is told so and answered again; every turn's prompt holds the picture
+        env_args = {**config["orchestrator"]["env"]["args"], "max_attempts": 2}
+        config["orchestrator"]["env"] = {"name": "count_shapes_retry", "args": env_args}
     with running_vlm_server(port, model_dir, tmp_path / "vlm_server.log", env):
         cfg = write_config(tmp_path / "rl.toml", config)
         cmd = [sys.executable, "-m", "slipstream", "rl", "-c", str(cfg)]
@@ -76,6 +79,8 @@ def test_tiny_qwen3_vl_trains_on_count_shapes_through_the_stand_in(trained_encod
         assert m["num_loss_tokens"] > 0 and m["grad_norm"] > 0, m
         assert m["policy/lag_max"] == 0 and m["policy/version"] == m["step"] - 1, m
         assert m["mismatch_kl"] < 1e-3, m  # trainer vs stand-in (both bfloat16) on the trained tokens
+    if trained_encoder:  # multi-turn rollouts with the picture in every turn trained
+        assert max(m["rollout/num_turns_max"] for m in metrics) == 2, metrics
     checks = [json.loads(line) for line in (out / "weight_checks.jsonl").read_text().splitlines()]
     assert [c["step"] for c in checks] == [1, 2, 3], checks
     for check in checks:

@@ -85,12 +85,51 @@ def test_text_samples_carry_no_images_and_still_share_prefixes():
     assert len(mb.input_ids) < sum(r.num_tokens for r in rollouts)  # one prefix tree
 
 
-def test_multi_turn_rollouts_with_images_are_refused():
+def test_every_sample_of_a_multi_turn_rollout_keeps_the_prompts_images():
+    """A multi-turn rollout's samples (two here: a prefix break re-rendered the conversation) each start with the
+    task's prompt, so each carries its images; environment tokens are masked as ever."""
+    from slipstream.envs.tokens import TrainingSample
+
     task = _tasks(1)[0]
     rollout = _rollout(task, 0, 0)
-    rollout.samples = []
-    with pytest.raises(ValueError, match="multi-turn rollouts of prompts with images are not supported"):
-        build_samples(rollout, 1.0)
+    prompt = rollout.prompt_token_ids
+    first = TrainingSample(
+        prompt + [100, 101, 7, 8], [False] * 8 + [True, True, False, False], [0.0] * 8 + [-1.0] * 2 + [0.0] * 2
+    )
+    second = TrainingSample(prompt + [100, 5, 102], [False] * 8 + [False, False, True], [0.0] * 10 + [-2.0])
+    rollout.samples = [first, second]
+    samples = build_samples(rollout, 0.7)
+    assert [s.images for s in samples] == [tuple(message_image_bytes(task.prompt))] * 2
+    assert samples[1].temperatures[-1] == 0.7 and samples[1].inference_logprobs[-1] == -2.0
+    assert samples[0].advantages[:10] == [0.0] * 8 + [rollout.advantage] * 2
+
+
+def test_an_environment_message_with_an_image_fails_the_rollout_at_env_response():
+    import asyncio
+
+    from slipstream.envs.base import RewardResult
+    from slipstream.envs.multiturn import MultiTurnEnv
+    from slipstream.envs.rollout import ModelTurn, run_rollout
+
+    task = _tasks(1)[0]
+
+    class ShowsAnotherPicture(MultiTurnEnv):
+        name = "shows_another_picture"
+
+        def tasks(self, split):
+            return [task]
+
+        async def env_response(self, messages, state):
+            return [{"role": "user", "content": task.prompt[-1]["content"]}], False  # the prompt's image again
+
+        async def reward(self, task, state):
+            return RewardResult(value=1.0)
+
+    async def model(messages, tools):
+        return ModelTurn(message={"role": "assistant", "content": "<answer>2</answer>"})
+
+    outcome = asyncio.run(run_rollout(ShowsAnotherPicture(max_turns=3), task, model))
+    assert outcome.stage == "env_response" and "images are supported in the task's prompt only" in outcome.error
 
 
 def _mb(images: list[SampleImages]) -> MicroBatch:

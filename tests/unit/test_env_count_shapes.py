@@ -108,3 +108,36 @@ def test_data_urls_round_trip_and_reject_remote_images():
         decode_data_url("https://example.com/cat.png")
     with pytest.raises(ValueError, match="not valid base64"):
         decode_data_url("data:image/png;base64,@@@")
+
+
+def test_the_retry_variant_tells_a_wrong_answer_and_scores_by_attempts():
+    """count_shapes_retry: a wrong answer gets a text-only reply (the picture stays in the prompt), a right one ends
+    the rollout with reward 1 / answers given; max_attempts wrong answers end it with 0."""
+    import asyncio
+
+    from slipstream.envs.base import is_multi_turn
+    from slipstream.envs.rollout import ModelTurn, run_rollout
+
+    env = build_env("count_shapes_retry", num_tasks=2, max_attempts=3)
+    assert is_multi_turn(env) and "count_shapes_retry" in known_envs()
+    task = env.tasks("train")[0]
+
+    def answering(*answers):
+        replies = iter(answers)
+
+        async def model(messages, tools):
+            return ModelTurn(message={"role": "assistant", "content": f"<answer>{next(replies)}</answer>"})
+
+        return model
+
+    wrong = task.answer + 1
+    solved = asyncio.run(run_rollout(env, task, answering(wrong, task.answer)))
+    assert solved.reward.value == 0.5 and solved.stop_reason == "env_done" and len(solved.turns) == 2
+    retry = solved.messages[3]
+    assert (
+        retry["role"] == "user"
+        and retry["content"].startswith("That is not right")
+        and "2 attempts left" in retry["content"]
+    )
+    failed = asyncio.run(run_rollout(env, task, answering(wrong, wrong, wrong)))
+    assert failed.reward.value == 0.0 and len(failed.turns) == 3 and failed.reward.metrics["attempts"] == 3

@@ -10,7 +10,8 @@ import random
 import re
 from collections.abc import Sequence
 
-from slipstream.envs.base import Task
+from slipstream.envs.base import DEFAULT_ROLLOUT_TIMEOUT_S, Message, RewardResult, State, Task
+from slipstream.envs.multiturn import MultiTurnEnv
 from slipstream.utils.images import image_part
 
 SYSTEM_PROMPT = "Look at the image. Answer with a single number between <answer> and </answer>, and nothing else."
@@ -59,6 +60,39 @@ class CountShapesEnv:
 
     def reward(self, task: Task, completion_text: str) -> float:
         return 1.0 if parse_answer(completion_text) == task.answer else 0.0
+
+
+class CountShapesRetryEnv(MultiTurnEnv):
+    """count_shapes over several turns (`count_shapes_retry`): a wrong or malformed answer is told so and the model
+    looks again, up to `max_attempts` answers; the reward is 1 / (answers given) for a right count, else 0. The
+    picture stays in the first user message: every turn's prompt holds it, and the environment adds text only."""
+
+    name = "count_shapes_retry"
+
+    def __init__(
+        self, max_attempts: int = 3, rollout_timeout_s: float = DEFAULT_ROLLOUT_TIMEOUT_S, **task_args
+    ) -> None:
+        super().__init__(max_turns=max_attempts, rollout_timeout_s=rollout_timeout_s)
+        self.single = CountShapesEnv(**task_args)
+
+    def tasks(self, split: str) -> Sequence[Task]:
+        return self.single.tasks(split)
+
+    async def setup_state(self, task: Task) -> State:
+        return {"answer": task.answer, "attempts": 0, "solved": False}
+
+    async def env_response(self, messages: list[Message], state: State) -> tuple[list[Message], bool]:
+        state["attempts"] += 1
+        if parse_answer(messages[-1].get("content") or "") == state["answer"]:
+            state["solved"] = True
+            return [], True
+        left = self.max_turns - state["attempts"]
+        text = f"That is not right. Look at the image again and answer. {left} attempt{'s' if left != 1 else ''} left."
+        return ([{"role": "user", "content": text}], False) if left else ([], True)
+
+    async def reward(self, task: Task, state: State) -> RewardResult:
+        value = 1.0 / state["attempts"] if state["solved"] else 0.0
+        return RewardResult(value=value, metrics={"solved": float(state["solved"]), "attempts": state["attempts"]})
 
 
 def parse_answer(completion_text: str) -> int | None:

@@ -12,7 +12,7 @@ from typing import Any
 from slipstream.envs.alphabet_sort import AlphabetSortEnv
 from slipstream.envs.base import AnyEnvironment
 from slipstream.envs.calculator import CalculatorEnv
-from slipstream.envs.count_shapes import CountShapesEnv
+from slipstream.envs.count_shapes import CountShapesEnv, CountShapesRetryEnv
 from slipstream.envs.reverse_text import ReverseTextEnv
 from slipstream.envs.swe_fix import SweFixEnv
 from slipstream.envs.wordle import WordleEnv
@@ -34,6 +34,7 @@ _REGISTRY: dict[str, EnvFactory] = {
     "calculator": CalculatorEnv,
     "swe_fix": SweFixEnv,
     "count_shapes": CountShapesEnv,
+    "count_shapes_retry": CountShapesRetryEnv,
     "verifiers": _verifiers_env,
 }
 

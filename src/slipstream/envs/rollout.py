@@ -23,6 +23,7 @@ from slipstream.envs.base import (
     checked_reward,
 )
 from slipstream.envs.multiturn import as_multi_turn
+from slipstream.utils.images import message_image_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,12 @@ async def _env_call(stage: str, awaitable: Awaitable):
 def _check_reply(reply: object) -> tuple[list[Message], bool]:
     if not (isinstance(reply, tuple) and len(reply) == 2 and isinstance(reply[0], list) and isinstance(reply[1], bool)):
         raise TypeError(f"env_response must return (list of messages, done: bool), got {reply!r:.200}")
+    if message_image_bytes(reply[0]):
+        raise ValueError(
+            "env_response returned a message with an image: images are supported in the task's prompt only (every "
+            "training sample of a multi-turn rollout holds the prompt's images; the environment's would not be "
+            "matched to their tokens)"
+        )
     return reply
 
 
@@ -131,9 +138,11 @@ async def _play(env, task: Task, model: ModelFn, progress: _Progress) -> RewardR
             break
         progress.turns.append(turn)
         progress.messages.append(turn.message)
-        new_messages, done = _check_reply(
-            await _env_call("env_response", env.env_response(list(progress.messages), progress.state))
-        )
+        reply = await _env_call("env_response", env.env_response(list(progress.messages), progress.state))
+        try:
+            new_messages, done = _check_reply(reply)
+        except (TypeError, ValueError) as e:  # a malformed reply fails the rollout at that stage, like a raise
+            raise _EnvFailure("env_response", e) from e
         progress.messages.extend(new_messages)
         if done:
             progress.stop_reason = "env_done"

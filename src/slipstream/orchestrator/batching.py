@@ -81,11 +81,9 @@ def build_samples(rollout: Rollout, temperature: float) -> list[Sample]:
     rollout's advantage, logprob and temperature, and environment tokens are masked."""
     if rollout.samples is None:
         return [build_sample(rollout, temperature)]
-    if message_image_bytes(rollout.task.prompt):
-        raise ValueError(
-            f"task {rollout.task.id}: multi-turn rollouts of prompts with images are not supported yet (a multi-turn "
-            "sample does not say which of its tokens hold which image); use a single-turn environment for images"
-        )
+    # Every sample starts with the task's prompt (a sample after a prefix break is a whole re-rendered conversation),
+    # so it holds the prompt's images; environments add none (envs/rollout.py refuses images in their messages).
+    images = tuple(message_image_bytes(rollout.task.prompt))
     samples = []
     for s in rollout.samples:
         mask = list(s.loss_mask)
@@ -98,6 +96,7 @@ def build_samples(rollout: Rollout, temperature: float) -> list[Sample]:
                 advantages=[rollout.advantage if m else 0.0 for m in mask],
                 inference_logprobs=[lp if m else 0.0 for lp, m in zip(s.logprobs, mask, strict=True)],
                 temperatures=[temperature if m else 1.0 for m in mask],
+                images=images,
             )
         )
     return samples
