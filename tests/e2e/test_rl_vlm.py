@@ -63,6 +63,8 @@ def test_tiny_qwen3_vl_trains_on_count_shapes_through_the_stand_in(trained_encod
         # and multi-turn: a wrong count is told so and answered again; every turn's prompt holds the picture
         env_args = {**config["orchestrator"]["env"]["args"], "max_attempts": 2}
         config["orchestrator"]["env"] = {"name": "count_shapes_retry", "args": env_args}
+    else:
+        config["checkpoint"] = {"interval": 2}  # resumed below from step 2
     with running_vlm_server(port, model_dir, tmp_path / "vlm_server.log", env):
         cfg = write_config(tmp_path / "rl.toml", config)
         cmd = [sys.executable, "-m", "slipstream", "rl", "-c", str(cfg)]
@@ -89,10 +91,27 @@ def test_tiny_qwen3_vl_trains_on_count_shapes_through_the_stand_in(trained_encod
     _check_published_names(model_dir, out / "weights" / "step_3", trained_encoder)
     if not trained_encoder:
         _check_trainer_logprobs_match_the_server(model_dir, out)
+        _check_resume_repeats_step_3(cmd, env, port, model_dir, tmp_path, metrics)
     deadline = time.monotonic() + 10
     while processes_with_marker(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert processes_with_marker(marker) == [], "processes left behind by the run"
+
+
+def _check_resume_repeats_step_3(cmd: list[str], env: dict, port: int, model_dir: Path, tmp_path: Path, before: list):
+    """`--resume-step 2` on the finished run: the trainer loads step 2's checkpoint (the frozen encoder has no
+    optimizer state), the stand-in is given step 2's weights back, and step 3 trains again on the same seeded
+    samples to the same loss and gaps."""
+    out = tmp_path / "run"
+    with running_vlm_server(port, model_dir, tmp_path / "vlm_server_resumed.log", env):
+        proc = subprocess.run([*cmd, "--resume-step", "2"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert metrics[:2] == before[:2]  # steps 1 and 2 kept as they were: resumed, not run again
+    assert metrics[2]["time"] > before[2]["time"]
+    for key in ("loss", "num_loss_tokens", "mismatch_kl", "reward/mean"):
+        assert metrics[2][key] == pytest.approx(before[2][key], rel=1e-5, abs=1e-9), (key, metrics[2], before[2])
 
 
 def _check_published_names(model_dir: Path, published: Path, trained_encoder: bool) -> None:
