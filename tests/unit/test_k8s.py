@@ -98,6 +98,32 @@ def test_a_trainer_across_pods_gets_one_pod_per_node_and_a_rendezvous_at_the_fir
         kubernetes_validate.validate(manifest, kubernetes_validate.latest_version(), strict=True)
 
 
+def test_a_multi_node_inference_deployment_gets_one_pod_per_node_behind_the_router_on_the_first():
+    """inference.deployment with 2 nodes: 2 inference pods, each `slipstream inference` as the node of its ordinal
+    (pod 0 also runs vllm-router); the deployment's nodes are the pods' DNS names, so the orchestrator's admin calls
+    reach each engine on its pod and its requests the router on pod 0."""
+    import kubernetes_validate
+
+    path = next(p for p in EXAMPLES if p.name == "rl-gpu.toml")
+    deployment = '{kind = "multi_node", nodes = ["a", "b"]}'
+    files = render_manifests(_example(path, "--inference.deployment", deployment), token="t")
+    objects = _by_kind(files)
+    name = "reverse-text-gpu"
+    pods = [f"{name}-inference-{k}.{name}-inference.default.svc.cluster.local" for k in (0, 1)]
+    inference = objects[("StatefulSet", f"{name}-inference")]
+    assert inference["spec"]["replicas"] == 2
+    script = inference["spec"]["template"]["spec"]["containers"][0]["command"][-1]
+    assert script.endswith('--inference.deployment.node_rank "${HOSTNAME##*-}"')
+    assert subprocess.run(["sh", "-n", "-c", script]).returncode == 0
+    data = objects[("ConfigMap", f"{name}-config")]["data"]
+    assert InferenceConfig.model_validate(tomllib.loads(data["inference.toml"])).deployment.nodes == pods
+    orchestrator = OrchestratorConfig.model_validate(tomllib.loads(data["orchestrator.toml"]))
+    assert orchestrator.inference_url == f"http://{pods[0]}:8000"
+    assert orchestrator.inference_engine_urls == [f"http://{pod}:8001" for pod in pods]
+    for manifest in yaml.safe_load_all(to_yaml(files["inference.yaml"])):
+        kubernetes_validate.validate(manifest, kubernetes_validate.latest_version(), strict=True)
+
+
 def test_mooncake_master_runs_beside_the_head_inference_pod():
     path = next(p for p in EXAMPLES if p.parent.name == "qwen3_30b_a3b")
     config = _example(path, "--inference.kv_cache_offload", '{backend = "mooncake"}')

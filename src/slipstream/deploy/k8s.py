@@ -39,10 +39,16 @@ def run_name(config: RLConfig) -> str:
     return (raw or "slipstream")[:40].strip("-")
 
 
-def pod_host(config: RLConfig, role: str) -> str:
-    """DNS name of the role's (single) pod, through its headless Service."""
+def pod_host(config: RLConfig, role: str, ordinal: int = 0) -> str:
+    """DNS name of the role's pod `ordinal` (the first: the only one, or the head), through its headless Service."""
     name = run_name(config)
-    return f"{name}-{role}-0.{name}-{role}.{config.kubernetes.namespace}.svc.cluster.local"
+    return f"{name}-{role}-{ordinal}.{name}-{role}.{config.kubernetes.namespace}.svc.cluster.local"
+
+
+def num_inference_pods(config: RLConfig) -> int:
+    """One inference pod per node of the inference deployment (inference.deployment.nodes: their addresses become
+    the pods' DNS names)."""
+    return len(config.inference.deployment.nodes)
 
 
 def cluster_config(config: RLConfig) -> tuple[RLConfig, Placement]:
@@ -59,6 +65,9 @@ def cluster_config(config: RLConfig) -> tuple[RLConfig, Placement]:
             f"{k8s.mount_path!r}); use a relative output_dir, or one below kubernetes.mount_path"
         )
     inference: dict[str, Any] = {"host": "0.0.0.0"}
+    if num_inference_pods(config) > 1:  # the deployment's nodes are the inference pods, the head (router) first
+        nodes = [pod_host(config, "inference", k) for k in range(num_inference_pods(config))]
+        inference["deployment"] = {"nodes": nodes}
     offload = config.inference.kv_cache_offload
     if offload is not None and offload.backend == "mooncake":
         inference["kv_cache_offload"] = {"mooncake": {"master_host": pod_host(config, "inference")}}
@@ -110,7 +119,12 @@ def _command(config: RLConfig, role: str, placement: Placement) -> list[str]:
     config_file = f"{CONFIG_DIR}/{role}.toml"
     markers = shlex.quote(f"{config.output_dir}/k8s")
     if role == "inference":
-        return ["python", "-m", "slipstream", "inference", "-c", config_file]
+        argv = ["python", "-m", "slipstream", "inference", "-c", config_file]
+        if num_inference_pods(config) == 1:
+            return argv
+        # one pod per node of the deployment: its rank is the StatefulSet ordinal (the head, 0, runs the router)
+        rank = '"${HOSTNAME##*-}"'
+        return ["/bin/sh", "-c", f"exec {shlex.join(argv)} --inference.deployment.node_rank {rank}"]
     if role == "trainer":
         launch = config.launch
         torchrun = ["python", "-m", "torch.distributed.run", "--nproc-per-node", str(placement.num_trainer_procs)]
@@ -219,7 +233,7 @@ def _stateful_set(config: RLConfig, role: str, containers: list[Manifest]) -> Ma
         "metadata": _meta(config, name, role),
         "spec": {
             "serviceName": name,
-            "replicas": config.launch.trainer_nodes if role == "trainer" else 1,
+            "replicas": {"trainer": config.launch.trainer_nodes, "inference": num_inference_pods(config)}.get(role, 1),
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": _labels(config, role)},
             "template": {"metadata": {"labels": _labels(config, role)}, "spec": pod},
