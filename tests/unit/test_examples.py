@@ -11,8 +11,11 @@ from slipstream.inference.server import build_vllm_argv
 from slipstream.launch.plan import build_plan, resolve_config
 from tests.unit.test_vllm_argv import parse_vllm_argv
 
-EXAMPLES = sorted(p for p in (Path(__file__).parents[2] / "examples").glob("**/*.toml") if not p.name.startswith("sft"))
+ALL_RL = sorted(p for p in (Path(__file__).parents[2] / "examples").glob("**/*.toml") if not p.name.startswith("sft"))
 """RL configs; `sft*.toml` are `slipstream sft` configs (tests/unit/test_sft_loop.py parses them)."""
+SLURM_EXAMPLES = [p for p in ALL_RL if "[slurm]" in p.read_text()]
+"""Multi-node jobs: each node's config is placed on its own 8 GPUs (test_slurm_examples_place_on_every_node)."""
+EXAMPLES = [p for p in ALL_RL if p not in SLURM_EXAMPLES]
 EIGHT_GPUS = list(range(8))
 
 
@@ -67,3 +70,38 @@ def test_gpu_examples_place_as_documented(tmp_path):
     assert (moe.launch.num_trainer_procs, moe.trainer.parallel.ep, moe.trainer.model_impl) == (6, 2, "custom")
     _, engine = parse_vllm_argv(build_vllm_argv(moe.inference, Path("/models/qwen3-30b-a3b")))
     assert (engine.tensor_parallel_size, engine.data_parallel_size, engine.enable_expert_parallel) == (1, 2, True)
+
+
+@pytest.mark.parametrize("path", SLURM_EXAMPLES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_slurm_examples_place_on_every_node(path, tmp_path):
+    """The job renders; every node's config, loaded with the hostnames its node script passes, places on 8 GPUs,
+    and each inference node's vLLM command lines parse under vLLM's own parser."""
+    from slipstream.inference.deployment import engine_commands
+    from slipstream.launch.slurm import render_job
+
+    config = load_config(RLConfig, ["-c", str(path), "--output-dir", str(tmp_path / "run")])
+    slurm = config.slurm
+    files = render_job(config)
+    hosts = [f"node-{k}" for k in range(slurm.num_nodes)]
+    first_trainer = hosts[slurm.num_inference_nodes]
+    overrides = ["--inference.deployment.nodes", str(hosts[: slurm.num_inference_nodes]).replace("'", '"')]
+    overrides += ["--orchestrator.inference_url", f"http://{hosts[0]}:{config.inference.port}"]
+    overrides += ["--weights.master_addr", first_trainer, "--launch.trainer_master_addr", first_trainer]
+    ranks = 0
+    for role, node_config in files.node_configs.items():
+        node = resolve_config(load_config(RLConfig, ["-c", str(node_config), *overrides]), EIGHT_GPUS)
+        specs = {spec.name: spec for spec in build_plan(node, gpus=EIGHT_GPUS)}
+        assert set(specs) == set(node.deployment.run), role
+        if "trainer" in specs:
+            ranks += node.launch.num_trainer_procs
+            assert node.launch.trainer_nodes == slurm.trainer_nodes
+        if "inference" in specs:
+            rank = node.inference.deployment.node_rank
+            commands = engine_commands(node.inference, Path("/models/example"), rank, True)
+            assert sum(c.num_gpus for c in commands) == len(EIGHT_GPUS), role
+            for command in commands:
+                parse_vllm_argv(command.argv)
+        if "orchestrator" in specs:  # a batch for every rank of every trainer node; requests to the head's router
+            assert node.orchestrator.num_trainer_ranks == slurm.trainer_nodes * 8 // config.trainer.parallel.cp
+            assert node.orchestrator.inference_url == f"http://{hosts[0]}:{config.inference.port}"
+    assert ranks == slurm.trainer_nodes * len(EIGHT_GPUS)
