@@ -124,6 +124,20 @@ def test_a_multi_node_inference_deployment_gets_one_pod_per_node_behind_the_rout
         kubernetes_validate.validate(manifest, kubernetes_validate.latest_version(), strict=True)
 
 
+def test_a_config_without_dtype_serves_and_trains_bfloat16_on_gpu_pods(tmp_path):
+    """model.dtype left unset stays unset through the render's rebuilt configs, so GPU pods get the GPU default."""
+    import tomli_w
+
+    path = next(p for p in EXAMPLES if p.parent.name == "reverse_text" and p.name == "rl.toml")
+    data = tomllib.loads(path.read_text())
+    del data["model"]["dtype"]
+    (tmp_path / "rl.toml").write_text(tomli_w.dumps(data))
+    config = load_config(RLConfig, ["-c", str(tmp_path / "rl.toml"), "--kubernetes.gpus", "2"])
+    configs = _by_kind(render_manifests(config, token="t"))[("ConfigMap", "reverse-text-config")]["data"]
+    for name in ("inference.toml", "trainer.toml", "orchestrator.toml"):
+        assert tomllib.loads(configs[name])["model"]["dtype"] == "bfloat16", name
+
+
 def test_mooncake_master_runs_beside_the_head_inference_pod():
     path = next(p for p in EXAMPLES if p.parent.name == "qwen3_30b_a3b")
     config = _example(path, "--inference.kv_cache_offload", '{backend = "mooncake"}')

@@ -98,6 +98,9 @@ def test_rendered_scripts_pass_bash_n_shellcheck_and_match_golden(layout, tmp_pa
         check = subprocess.run([shellcheck, "-s", "bash", str(script)], capture_output=True, text=True)
         assert check.returncode == 0, f"{script.name}:\n{check.stdout}"
     rendered = {p.name: p.read_text().replace(str(tmp_path), "/TMP") for p in (files.job_script, files.node_script)}
+    if len(files.node_configs) > 1:  # what each node runs: the layout's difference lives in the node configs
+        gpus = LAYOUTS[layout]["slurm"].get("gpus_per_node") or 0
+        rendered["layout.txt"] = _layout(files.node_configs, gpus).replace(str(tmp_path), "/TMP")
     assert list(files.node_configs) == NODE_ROLES[LAYOUTS[layout]["slurm"].get("num_nodes", 1)]
     folder = GOLDEN / layout
     if os.environ.get(UPDATE_ENV) == "1":
@@ -107,6 +110,32 @@ def test_rendered_scripts_pass_bash_n_shellcheck_and_match_golden(layout, tmp_pa
     assert sorted(p.name for p in folder.iterdir()) == sorted(rendered), f"set {UPDATE_ENV}=1 to rewrite them"
     for name, text in rendered.items():
         assert text == (folder / name).read_text(), f"{layout}/{name} differs from golden; {UPDATE_ENV}=1 rewrites it"
+
+
+def _layout(node_configs: dict[str, Path], gpus_per_node: int) -> str:
+    """Per node: its processes, and on inference nodes every engine's and the router's environment and command line,
+    as the node places and renders them on its GPUs, with the hostnames `slurm-node-<k>` its script would fill in."""
+    from slipstream.inference.deployment import engine_commands, router_argv
+    from slipstream.launch.plan import resolve_config
+
+    lines = []
+    for role, path in node_configs.items():
+        config = resolve_config(load_config(RLConfig, ["-c", str(path)]), list(range(gpus_per_node)))
+        launch = config.launch
+        trainer = (
+            f", trainer node {launch.trainer_node_rank} of {launch.trainer_nodes}" if role.startswith("trainer") else ""
+        )
+        lines.append(f"[{role}] run = {config.deployment.run}{trainer}")
+        if "inference" not in config.deployment.run:
+            continue
+        inference, rank = config.inference, config.inference.deployment.node_rank
+        for command in engine_commands(inference, Path("/models/m"), rank, on_gpu=gpus_per_node > 0):
+            env = [f"{k}={v}" for k, v in sorted(command.env.items())]
+            argv = ["python", *command.argv[1:]]
+            lines.append("  " + " ".join([f"engine {command.slot.role} ({command.num_gpus} GPUs):", *env, *argv]))
+        if rank == 0 and (router := router_argv(inference)) is not None:
+            lines.append("  " + " ".join(["router:", "vllm-router", *router[1:]]))
+    return "\n".join(lines) + "\n"
 
 
 def test_node_configs_load_back_with_the_node_overrides(tmp_path):
@@ -274,6 +303,10 @@ def test_each_node_of_a_three_node_job_runs_its_part_of_the_deployment(tmp_path)
     assert trainer.orchestrator.inference_url == "http://gpu-a:8123"  # the router, on the first node
     assert trainer.orchestrator.inference_engine_urls == engines  # admin calls reach every engine on its host
     assert trainer.trainer.weights.master_addr == "gpu-c"
+    from slipstream.launch.plan import resolve_config
+
+    for config in loaded.values():  # model.dtype was left unset: each node decides it from its GPUs
+        assert resolve_config(config, list(range(8))).model.dtype == "bfloat16"
 
 
 def test_a_trainer_on_two_nodes_gets_one_role_per_node(tmp_path):

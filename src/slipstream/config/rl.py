@@ -321,6 +321,7 @@ class RLConfig(BaseConfig):
             for section in sections:
                 data[section].pop(key, None)
         _drop_derived(data)
+        self._drop_defaulted(data)
         for section in ("orchestrator", "trainer"):
             data[section].pop("resume_step", None)
         return data
@@ -336,7 +337,14 @@ class RLConfig(BaseConfig):
             for section in sections:
                 data[section].pop(key, None)
         _drop_derived(data)
+        self._drop_defaulted(data)
         return validate_config(RLConfig, deep_merge(data, changes))
+
+    def _drop_defaulted(self, data: dict[str, Any]) -> None:
+        """Remove from a dump the fields whose default is decided later when left unset, so that validating the dump
+        again leaves them unset: model.dtype (bfloat16 on GPUs at launch, else float32)."""
+        if "dtype" not in self.model.model_fields_set:
+            data["model"].pop("dtype", None)
 
 
 def _known_trainer_procs(launch: dict[str, Any], deployment: dict[str, Any]) -> int | None:
