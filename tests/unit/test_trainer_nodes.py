@@ -50,3 +50,24 @@ def test_the_other_nodes_wait_for_this_launchs_configs(tmp_path, monkeypatch):
     wait_for_launch(run, "job-2", 10)
     assert 0.4 < time.monotonic() - start < 5
     assert (run.root / LAUNCH_ID_FILE).read_text() == "job-2\n"
+
+
+def test_supervising_turns_sigterm_into_a_stop_and_stops_the_children():
+    """The launchers' shared signal handling (launch/supervisor.supervising): SIGTERM inside the block raises
+    StopRequested named after it; leaving the block stops every child and restores the previous handlers."""
+    import os
+    import signal
+
+    from slipstream.launch.supervisor import StopRequested, supervising
+
+    class Children:
+        stopped = 0
+
+        def stop_all(self) -> None:
+            self.stopped += 1
+
+    children, before = Children(), signal.getsignal(signal.SIGTERM)
+    with pytest.raises(StopRequested, match="SIGTERM"), supervising(children):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # interrupted by the handler
+    assert children.stopped == 1 and signal.getsignal(signal.SIGTERM) is before

@@ -3,7 +3,6 @@
 import functools
 import json
 import os
-import signal
 import socket
 import sys
 import time
@@ -19,7 +18,7 @@ from slipstream.launch.models import resolve_run_model
 from slipstream.launch.placement import detect_visible_gpus
 from slipstream.launch.plan import ProcessSpec, build_plan, resolve_config, write_configs
 from slipstream.launch.restarts import InferenceRestarts
-from slipstream.launch.supervisor import ChildFailed, Supervisor
+from slipstream.launch.supervisor import ChildFailed, StopRequested, Supervisor, supervising
 from slipstream.launch.trainer_nodes import launch_id, publish_launch, run_secondary_trainer
 from slipstream.rundir import RunDir, RunLock, RunLockedError, launcher_env, wait_no_run_processes
 from slipstream.transport.checkpoints import committed_run_steps, prepare_resume, prune_checkpoints, resolve_run_step
@@ -28,14 +27,6 @@ from slipstream.transport.weights import is_ready
 EARLIER_RUN_EXIT_S = 3.0
 """How long a new launcher waits for the processes of a just-killed run of its directory to end themselves (their
 watchdogs poll every 0.5 s) before it refuses to start."""
-
-
-class _Stop(Exception):
-    """SIGINT/SIGTERM received."""
-
-
-def _raise_stop(signum: int, frame: object) -> None:
-    raise _Stop(signal.Signals(signum).name)
 
 
 def run_rl(config: RLConfig) -> int:
@@ -85,33 +76,27 @@ def _run_locked(config: RLConfig, run: RunDir) -> int:
     write_admin_token(config.output_dir)
     publish_launch(config)  # a trainer spanning nodes: the others start on these configs
     specs = {spec.name: spec for spec in build_plan(config, gpus=gpus)}
-    sup = Supervisor(grace_s=config.launch.shutdown_grace_s, env=launcher_env(run))
-    old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     start = time.monotonic()
-    try:
-        _say(f"run directory {run.root} (logs in {run.logs_dir}); starting {', '.join(specs)} on this node")
-        start_processes(sup, specs, config, start)
-        watch_until_done(sup, config, set(specs))
-        _say(f"done: {config.max_steps} steps in {time.monotonic() - start:.0f}s; metrics in {config.output_dir}")
-        if "orchestrator" in specs:
-            _write_plots(config.output_dir)
-            _print_heldout(config.output_dir)
-        return 0
-    except ChildFailed as e:
-        for line in e.report():
-            _say(line, err=True)
-        return 1
-    except TimeoutError as e:
-        _say(f"error: {e}", err=True)
-        return 1
-    except _Stop as e:
-        _say(f"received {e}; stopping all processes", err=True)
-        return 130
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the clean stop
-        sup.stop_all()
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+    with supervising(Supervisor(grace_s=config.launch.shutdown_grace_s, env=launcher_env(run))) as sup:
+        try:
+            _say(f"run directory {run.root} (logs in {run.logs_dir}); starting {', '.join(specs)} on this node")
+            start_processes(sup, specs, config, start)
+            watch_until_done(sup, config, set(specs))
+            _say(f"done: {config.max_steps} steps in {time.monotonic() - start:.0f}s; metrics in {config.output_dir}")
+            if "orchestrator" in specs:
+                _write_plots(config.output_dir)
+                _print_heldout(config.output_dir)
+            return 0
+        except ChildFailed as e:
+            for line in e.report():
+                _say(line, err=True)
+            return 1
+        except TimeoutError as e:
+            _say(f"error: {e}", err=True)
+            return 1
+        except StopRequested as e:
+            _say(f"received {e}; stopping all processes", err=True)
+            return 130
 
 
 def resolve_node_config(config: RLConfig) -> tuple[RLConfig, list[int]]:

@@ -13,6 +13,8 @@ import signal
 import subprocess
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -181,3 +183,26 @@ def _log_lines(path: Path, offset: int) -> list[str] | None:
             return f.read().decode(errors="replace").splitlines(keepends=True)
     except FileNotFoundError:
         return None
+
+
+class StopRequested(Exception):
+    """SIGINT or SIGTERM reached a launcher inside `supervising`."""
+
+
+@contextmanager
+def supervising(sup: Supervisor) -> Iterator[Supervisor]:
+    """Within the block SIGINT and SIGTERM raise StopRequested (named after the signal); however the block ends,
+    every child of `sup` is then stopped, SIGINT ignored meanwhile (a second Ctrl-C must not interrupt the clean
+    stop), and the previous handlers come back."""
+
+    def raise_stop(signum: int, frame: object) -> None:
+        raise StopRequested(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield sup
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        sup.stop_all()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

@@ -2,25 +2,16 @@
 server (one adapter slot per tenant) and the multi-tenant trainer, until stopped or one of them dies. Tenants attach
 with `slipstream tenant-run` (docs/multi_tenant_lora.md); they read the admin token from `<tenants_dir>/admin_token`."""
 
-import signal
 import sys
 import time
 
 from slipstream.config.tenants import TenantServerConfig
 from slipstream.launch.local import run_locked, wait_healthy, write_admin_token
 from slipstream.launch.plan import ProcessSpec
-from slipstream.launch.supervisor import ChildFailed, Supervisor, first_error, tail
+from slipstream.launch.supervisor import ChildFailed, StopRequested, Supervisor, supervising
 from slipstream.rundir import RunDir, launcher_env
 
 TRAINER = "tenant-trainer"
-
-
-class _Stop(Exception):
-    """SIGINT/SIGTERM received."""
-
-
-def _raise_stop(signum: int, frame: object) -> None:
-    raise _Stop(signal.Signals(signum).name)
 
 
 def run_tenant_server(config: TenantServerConfig) -> int:
@@ -42,32 +33,25 @@ def build_specs(config: TenantServerConfig, run: RunDir) -> list[ProcessSpec]:
 
 def _serve(config: TenantServerConfig, run: RunDir) -> int:
     write_admin_token(run.root)
-    sup = Supervisor(grace_s=config.shutdown_grace_s, env=launcher_env(run))
-    old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        for spec in build_specs(config, run):
-            sup.start(spec)
-        wait_healthy(sup, config.inference.url, config.health_timeout_s)
-        _say(f"serving tenants of {run.root} at {config.inference.url} (logs in {run.logs_dir}); Ctrl-C stops")
-        while True:
-            sup.check()
-            time.sleep(0.5)
-    except ChildFailed as e:
-        _say(f"error: {e}; last lines of its log:\n{tail(e.log_path, offset=e.log_offset)}", err=True)
-        if (cause := first_error(e.log_path, e.log_offset)) is not None:
-            _say(f"first error in {e.log_path.name}: {cause}", err=True)
-        return 1
-    except TimeoutError as e:
-        _say(f"error: {e}", err=True)
-        return 1
-    except _Stop as e:
-        _say(f"received {e}; stopping inference and the trainer")
-        return 0
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        sup.stop_all()
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+    with supervising(Supervisor(grace_s=config.shutdown_grace_s, env=launcher_env(run))) as sup:
+        try:
+            for spec in build_specs(config, run):
+                sup.start(spec)
+            wait_healthy(sup, config.inference.url, config.health_timeout_s)
+            _say(f"serving tenants of {run.root} at {config.inference.url} (logs in {run.logs_dir}); Ctrl-C stops")
+            while True:
+                sup.check()
+                time.sleep(0.5)
+        except ChildFailed as e:
+            for line in e.report():
+                _say(line, err=True)
+            return 1
+        except TimeoutError as e:
+            _say(f"error: {e}", err=True)
+            return 1
+        except StopRequested as e:
+            _say(f"received {e}; stopping inference and the trainer")
+            return 0
 
 
 def _say(message: str, err: bool = False) -> None:

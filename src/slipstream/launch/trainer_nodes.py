@@ -7,7 +7,6 @@ GPUs, and supervises them until they end."""
 
 import logging
 import os
-import signal
 import sys
 import time
 
@@ -16,7 +15,7 @@ from slipstream.config.rl import RLConfig
 from slipstream.launch.models import resolve_run_model
 from slipstream.launch.placement import detect_visible_gpus
 from slipstream.launch.plan import build_plan, resolve_config
-from slipstream.launch.supervisor import ChildFailed, Supervisor
+from slipstream.launch.supervisor import ChildFailed, StopRequested, Supervisor, supervising
 from slipstream.rundir import RunDir, launcher_env
 from slipstream.utils.fs import atomic_write_text
 
@@ -78,35 +77,21 @@ def run_secondary_trainer(config: RLConfig) -> int:
     (spec,) = build_plan(config, gpus=gpus)
     own_model = str(config.model.path or config.model.name)
     spec.argv.extend(["--model.path", own_model])  # node 0's trainer config, this node's copy of the model
-    sup = Supervisor(grace_s=config.launch.shutdown_grace_s, env=launcher_env(run))
-    old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        _say(f"trainer node {rank} of {config.launch.trainer_nodes}: starting its ranks (log {spec.log_path})")
-        sup.start(spec)
-        while "trainer" not in sup.check():
-            time.sleep(0.5)
-        _say(f"trainer node {rank}: done")
-        return 0
-    except ChildFailed as e:
-        for line in e.report():
-            _say(line, err=True)
-        return 1
-    except _Stop as e:
-        _say(f"received {e}; stopping the trainer's ranks", err=True)
-        return 130
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        sup.stop_all()
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-
-class _Stop(Exception):
-    """SIGINT/SIGTERM received."""
-
-
-def _raise_stop(signum: int, frame: object) -> None:
-    raise _Stop(signal.Signals(signum).name)
+    with supervising(Supervisor(grace_s=config.launch.shutdown_grace_s, env=launcher_env(run))) as sup:
+        try:
+            _say(f"trainer node {rank} of {config.launch.trainer_nodes}: starting its ranks (log {spec.log_path})")
+            sup.start(spec)
+            while "trainer" not in sup.check():
+                time.sleep(0.5)
+            _say(f"trainer node {rank}: done")
+            return 0
+        except ChildFailed as e:
+            for line in e.report():
+                _say(line, err=True)
+            return 1
+        except StopRequested as e:
+            _say(f"received {e}; stopping the trainer's ranks", err=True)
+            return 130
 
 
 def _say(message: str, err: bool = False) -> None:
