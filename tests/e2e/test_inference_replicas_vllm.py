@@ -41,7 +41,7 @@ pytestmark = [
     ),
 ]
 
-NUM_ROLLOUTS = 6
+NUM_ROLLOUTS = 4
 """Rollouts played one at a time through each router before training."""
 
 
