@@ -57,6 +57,8 @@ LAYOUTS = {
         },
     },
 }
+SAME_SCRIPTS_AS = {"three_node_wide_ep": "three_node_replicas", "three_node_pd": "three_node_replicas"}
+"""Layouts whose job and node scripts are another layout's golden files (only their layout.txt differs)."""
 NODE_ROLES = {1: ["all"], 2: ["inference", "trainer"], 3: ["inference_0", "inference_1", "trainer"]}
 
 
@@ -103,6 +105,10 @@ def test_rendered_scripts_pass_bash_n_shellcheck_and_match_golden(layout, tmp_pa
         rendered["layout.txt"] = _layout(files.node_configs, gpus).replace(str(tmp_path), "/TMP")
     assert list(files.node_configs) == NODE_ROLES[LAYOUTS[layout]["slurm"].get("num_nodes", 1)]
     folder = GOLDEN / layout
+    if layout in SAME_SCRIPTS_AS:  # the layout lives in the node configs: the scripts are another layout's
+        for name in ("job.sbatch", "node.sh"):
+            shared = GOLDEN / SAME_SCRIPTS_AS[layout] / name
+            assert rendered.pop(name) == shared.read_text(), f"{layout}/{name} differs from {shared}"
     if os.environ.get(UPDATE_ENV) == "1":
         folder.mkdir(parents=True, exist_ok=True)
         for name, text in rendered.items():
