@@ -60,6 +60,12 @@ CASES = {
     # Laguna (sliding windows of 8 tokens with their own RoPE, partial RoPE on the full layer, per-layer head counts,
     # softplus output gates, softcapped sigmoid routing, a shared expert, a dense first layer): EP, CP, and EP x CP
     # with replay and checkpointing (the sliding layers mask the all-gathered keys by window).
+    # MiniMax-M2 (full-width q/k norm over all heads, partial RoPE, sigmoid routing with a selection bias, every layer
+    # MoE): EP x CP with replay and checkpointing (the q/k norm spans heads, not tokens: cp shards keep it local).
+    "minimax_m2-ep2": ("minimax_m2", 2, 2, ParallelConfig(ep=2), "dppo_tv"),
+    "minimax_m2-ep2-cp2-ac-replay": (
+        "minimax_m2", 2, 1, ParallelConfig(ep=2, cp=2, activation_checkpointing=True), "dppo_tv"
+    ),
     "laguna-ep2": ("laguna", 2, 2, ParallelConfig(ep=2), "dppo_tv"),
     "laguna-cp2": ("laguna", 2, 1, ParallelConfig(cp=2), "dppo_tv"),
     "laguna-ep2-cp2-ac-replay": ("laguna", 2, 1, ParallelConfig(ep=2, cp=2, activation_checkpointing=True), "dppo_tv"),

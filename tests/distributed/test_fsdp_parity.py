@@ -21,6 +21,7 @@ CASES = {
     "nemotron_h-custom-fsdp": ("nemotron_h", "custom", ParallelConfig()),
     "gpt_oss-custom-fsdp": ("gpt_oss", "custom", ParallelConfig()),
     "laguna-custom-fsdp": ("laguna", "custom", ParallelConfig()),
+    "minimax_m2-custom-fsdp": ("minimax_m2", "custom", ParallelConfig()),
     "llama-custom-fsdp-ac": ("llama", "custom", ParallelConfig(activation_checkpointing=True)),
     "qwen3-hf-fsdp": ("qwen3", "hf", ParallelConfig()),
     "qwen3-custom-hsdp": ("qwen3", "custom", ParallelConfig(dp_replicate=2)),

@@ -180,7 +180,7 @@ def test_groups_older_than_max_off_policy_steps_are_cancelled_and_counted(tmp_pa
 
 
 def test_spare_groups_keep_a_slow_group_from_holding_back_a_batch(tmp_path):
-    sim = SimConfig(model_name=MODEL, token_latency_s=0.025, stop_prob=0.05)
+    sim = SimConfig(model_name=MODEL, token_latency_s=0.05, stop_prob=0.05)
     tasks = tasks_by_length(sim, "lsssss")
     took = {}
     for spare in (0, 1):
@@ -197,7 +197,9 @@ def test_spare_groups_keep_a_slow_group_from_holding_back_a_batch(tmp_path):
             assert pipeline.ledger.num_abandoned == 2  # the long group, and the short one not needed
         else:  # exactly the groups of the two batches: the long one is in the second
             assert long_id in ids[1] and len(chat_records(server)) == 4
-    assert took[1] < 0.5 < 1.0 <= took[0]  # the long group decodes for 1 s
+    # The long group decodes for 2 s, the short ones for 0.1 s at most. Both runs pay the same start-up and batching
+    # overhead (measured 0.2 s here, 0.75 s on a loaded CI host), so compare the two runs rather than a fixed bound.
+    assert took[0] >= 2.0 and took[0] - took[1] >= 1.2, took
 
 
 def test_synchronous_mode_is_on_policy(tmp_path):

@@ -1,5 +1,6 @@
-"""benchmarks/trainer_throughput.py runs on CPU with the tiny model and ends with its summary line; the FLOPs
-accounting matches REFERENCE.md for Qwen3-0.6B."""
+"""benchmarks/trainer_throughput.py runs on CPU with the tiny models and ends with its summary line; the FLOPs
+accounting matches REFERENCE.md for Qwen3-0.6B and counts Qwen3.5-MoE's layer types; the GPU cut shapes (glm5-cut,
+qwen3.5-moe-cut) build for both implementations on the meta device."""
 
 import importlib.util
 import re
@@ -38,3 +39,76 @@ def test_qwen3_0_6b_flops_per_token(bench):
     batch, context = bench.fake_batch(1000, 3, vocab_size=512)
     assert context == pytest.approx((333**2 + 333**2 + 334**2) / 1000)
     assert len(batch.micro_batches[0].input_ids) == 1000 and batch.num_loss_tokens == 1000 - 3 * 66
+
+
+def test_runs_tiny_qwen35_moe_on_cpu_for_both_impls(bench, capsys):
+    """Qwen3.5-MoE's pattern (3 Gated DeltaNet layers, then gated full attention) at tiny dims, both impls in this
+    process (no --compare-hf subprocess: a few seconds); transformers falls back to its torch delta rule and conv."""
+    assert bench.build_hf_config("tiny-qwen3.5-moe").layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    argv = ["--model", "tiny-qwen3.5-moe", "--device", "cpu", "--seq-len", "128", "--steps", "1", "--warmup", "0"]
+    losses = {}
+    for impl in ("custom", "hf"):
+        bench.main([*argv, "--impl", impl])
+        lines = capsys.readouterr().out.strip().splitlines()
+        assert re.fullmatch(r"tokens_per_s: \d+\.\d mfu: n/a", lines[-1]), lines[-1]
+        (report,) = (line for line in lines if "tokens/s" in line)
+        assert report.lstrip().startswith(f"{impl}:")
+        losses[impl] = float(re.search(r"loss (-?\d+\.\d+)", report).group(1))
+    assert losses["custom"] == pytest.approx(losses["hf"], abs=2e-4)  # same random weights in both implementations
+
+
+def _meta_params(model) -> dict[str, tuple[int, ...]]:
+    assert all(p.is_meta for p in model.parameters())
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", ["glm5-cut", "qwen3.5-moe-cut"])
+def test_cut_shapes_build_for_both_impls_on_meta(bench, name):
+    """The GPU shapes build as transformers' model (the --impl hf path) and ours on the meta device, and our weights
+    map onto transformers' one to one, as build_random_model loads them: no config error waits on the GPU."""
+    import torch
+
+    from slipstream.models.registry import build_model, export_hf_state_dict
+
+    cfg = bench.build_hf_config(name)
+    with torch.device("meta"):
+        hf = bench.build_hf_model(cfg)
+        ours = build_model(cfg, "custom")
+    hf_shapes = _meta_params(hf)
+    _meta_params(ours)
+    exported = {k: tuple(v.shape) for k, v in bench.fuse_experts(export_hf_state_dict(ours), hf).items()}
+    assert exported == hf_shapes
+    assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in ours.parameters())
+
+
+def test_qwen35_moe_cut_shape_memory_and_flops(bench):
+    """qwen3.5-moe-cut: Qwen3.5-35B-A3B's dims, 4 layers in its 3:1 pattern, 64 experts; 16 bytes a parameter
+    (float32 master, gradient, two AdamW moments) well under an 80 GB GPU; FLOPs counted layer type by layer type."""
+    import torch
+
+    from slipstream.models.registry import build_model
+
+    cfg = bench.build_hf_config("qwen3.5-moe-cut")
+    assert cfg.model_type == "qwen3_5_moe_text"
+    assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert (cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (
+        2048, 248320, 16, 2, 256,
+    )  # fmt: skip
+    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim) == (16, 32, 128)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (64, 8, 512)
+    assert cfg.shared_expert_intermediate_size == 512 and cfg.rope_parameters["partial_rotary_factor"] == 0.25
+    with torch.device("meta"):
+        num_params = sum(p.numel() for p in build_model(cfg, "custom").parameters())
+    assert num_params == 1_963_977_792
+    assert num_params * 16 < 35e9  # 31.4 GB of masters, gradients and moments: room for 16384 tokens' activations
+
+    D = 2048
+    deltanet = D * (2 * 16 * 128 + 32 * 128) + D * 32 * 128 + 2 * D * 32 + 32 * 128 * D  # qkv, z, b + a, out
+    gated_attention = D * 2 * 16 * 256 + 2 * D * 2 * 256 + 16 * 256 * D  # q (+ gate), k, v, o
+    moe = 3 * D * (8 * 512 + 512) + D * 64 + D  # top-8 + shared experts, router, shared expert gate
+    active = 3 * deltanet + gated_attention + 4 * moe + 248320 * D
+    assert bench.active_matmul_params(cfg) == active == 750_657_536
+    delta_rule = 3 * 2 * 32 * (64 * 4 * 128 + 3 * 128 * 128)  # chunks of 64: C (2.5 K + 1.5 V) + 3 K V MACs
+    assert bench.gated_delta_rule_flops(cfg) == delta_rule
+    full_attention = 12 * 1 * 16 * 256 * 16384
+    assert bench.flops_per_token(cfg, 16384) == 6 * active + full_attention + 3 * delta_rule
