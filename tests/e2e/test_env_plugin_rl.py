@@ -1,6 +1,6 @@
 """An environment from outside Slipstream trains through real vLLM (CPU build): `slipstream env init` writes the
-package, pip installs it into a folder on PYTHONPATH, and `slipstream rl` names it by its entry point, or by import
-path, for 2 steps."""
+package, pip installs it into a folder on PYTHONPATH, and `slipstream rl` names it by its entry point for 2 steps.
+Naming it by import path (`word_echo.env:load_environment`) resolves through the same loader: tests/unit/test_env_plugins.py."""
 
 import json
 import subprocess
@@ -13,7 +13,7 @@ from tests.e2e.helpers import tiny_rl_config, write_config
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
-@pytest.mark.parametrize("env_name", ["word-echo", "word_echo.env:load_environment"])
+@pytest.mark.parametrize("env_name", ["word-echo"])
 def test_rl_trains_on_an_installed_environment_package(env_name, tiny_model_factory, tmp_path, run_env):
     _, env = run_env
     subprocess.run([sys.executable, "-m", "slipstream", "env", "init", "word-echo", "--dir", str(tmp_path)], check=True)

@@ -96,12 +96,16 @@ def test_kill_and_resume_matches_an_uninterrupted_run(victim, resume_reference, 
         time.sleep(sleep)
         assert launcher.poll() is None, "the run ended before the kill"
         os.kill(_victim_pid(marker, victim), signal.SIGKILL)
+        killed_at = time.monotonic()
         _, stderr = _finish(launcher, 60)
+        assert time.monotonic() - killed_at < 30, "the launcher took more than 30 s to stop the run"
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.communicate()
     assert launcher.returncode != 0 and f"error: {victim} " in stderr, stderr
+    if victim == "orchestrator":  # a direct child of the launcher (the trainer victim is a rank under torchrun)
+        assert "orchestrator was killed by signal 9" in stderr, stderr
     _wait_gone(marker)
     trained_before = [m["step"] for m in _metrics(out)]
     assert trained_before == list(range(1, len(trained_before) + 1)) and len(trained_before) < MAX_STEPS
