@@ -83,7 +83,7 @@ def test_scancel_leaves_nothing_and_resume_trains_to_the_end_in_a_new_job_with_p
     the block after the resume): one Slurm job and one vLLM start less in the suite."""
     marker, env = run_env
     env = {**slurm_cluster.env, **env}
-    out, max_steps = tmp_path / "run", 16  # the first job is cancelled right after step 1 commits
+    out, max_steps = tmp_path / "run", 8  # the first job is cancelled right after step 1 commits (~1 s per step)
     config = tiny_rl_config(tiny_qwen3_dir, out, max_steps=max_steps, checkpoint={"interval": 1, "keep_last": 2})
     config["slurm"] = {"job_name": "tiny"}
     path = write_config(tmp_path / "rl.toml", config)
