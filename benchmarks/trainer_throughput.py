@@ -5,7 +5,7 @@
     python benchmarks/trainer_throughput.py --model qwen3-30b-a3b-4l --compare-hf \
         --compare-anchor /work/shared/anchors/hf_moe/hf_moe_baseline.py
     python benchmarks/trainer_throughput.py --model qwen3-30b-a3b-8l --state-dtype bfloat16
-    python benchmarks/trainer_throughput.py --model qwen3.5-moe-cut --seq-len 16384 --compare-hf
+    python benchmarks/trainer_throughput.py --model qwen3.5-moe-cut --seq-len 8192 --compare-hf
     python benchmarks/trainer_throughput.py --model tiny-qwen3.5-moe --device cpu --seq-len 256 --compare-hf
     python benchmarks/trainer_throughput.py --lm-head-memory --head-tokens 65536
 
