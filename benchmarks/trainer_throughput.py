@@ -697,12 +697,13 @@ def record_row_choices(rows: str) -> list[bool]:
     from slipstream.trainer import logprobs
 
     choices: list[bool] = []
-    choose = logprobs.use_padded_rows
+    choose = getattr(logprobs.use_padded_rows, "__wrapped__", logprobs.use_padded_rows)  # not a wrapper's wrapper
 
     def recorded(*args) -> bool:
         choices.append(rows == "auto" and choose(*args))
         return choices[-1]
 
+    recorded.__wrapped__ = choose
     logprobs.use_padded_rows = recorded
     return choices
 
