@@ -1,6 +1,6 @@
-"""Weight transfer benchmark (GPU): the trainer's weight stream (trainer/weight_export.py: FSDP gathers one layer at a
-time in bf16 as the trainer's mixed-precision policy does, HF names; each layer copied and cast into reused
-dtype-grouped bucket buffers; rank 0 broadcasts each bucket while the next layer is gathered)
+"""Weight transfer benchmark (GPU): the trainer's weight stream (trainer/weight_export.py: FSDP shards cast to bf16
+and all-gathered a chunk of layers at a time by trainer/shard_gather.py, HF names; each layer copied into reused
+dtype-grouped bucket buffers; rank 0 broadcasts each bucket while the next layers are gathered)
 into receiver processes running the receive-and-load code of Slipstream's vLLM engine (transport/weight_receiver.py;
 "load" copies every tensor into the receiver's own preallocated bf16 parameters, as vLLM's load_weights does).
 

@@ -1,4 +1,5 @@
-"""End to end through real vLLM (CPU build): a tiny random Qwen3 trains for 3 steps with weight sync checks."""
+"""End to end through real vLLM (CPU build): a tiny random Llama (tied embeddings) trains for 3 steps with weight
+sync checks, logs, wandb (offline) and Prometheus."""
 
 import json
 import re
@@ -27,7 +28,6 @@ def _read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-# llama ties lm_head to embed_tokens (as SmolLM2 does), which vLLM's in-place reload must handle
 class StepScraper(threading.Thread):
     """Polls the trainer's and the orchestrator's Prometheus endpoints while the run lives; keeps the largest
     `slipstream_step` each served (parsed with prometheus_client's parser)."""
@@ -51,21 +51,20 @@ class StepScraper(threading.Thread):
                             self.steps[role] = max(self.steps.get(role, 0), sample.value)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_three_steps_with_verified_weight_updates(family, tiny_model_factory, tmp_path, run_env):
+def test_three_steps_with_verified_weight_updates(tiny_model_factory, tmp_path, run_env):
+    """llama, whose tied LM head vLLM's in-place reload must refresh (the other e2e runs train qwen3); the run also
+    feeds wandb (offline) and the Prometheus endpoints."""
     marker, env = run_env
     out = tmp_path / "run"
-    config = tiny_rl_config(tiny_model_factory(family), out, max_steps=3)
-    monitored = family == "qwen3"  # the qwen3 run also feeds wandb (offline) and the Prometheus endpoints
-    if monitored:
-        port = _free_port_block(2)  # trainer on port, orchestrator on port + 1
-        config["monitor"] = {"prometheus_port": port, "wandb": {"mode": "offline", "project": "e2e"}}
-        # On-policy: after each step the trainer waits while inference loads its weights and generates the next
-        # batch, so its endpoint serves a step for seconds. With max_async_level = 1 the next batches can be
-        # ready already and the trainer can run steps 1-3 and exit between two polls (seen in CI).
-        config["orchestrator"]["max_async_level"] = 0
+    config = tiny_rl_config(tiny_model_factory("llama"), out, max_steps=3)
+    port = _free_port_block(2)  # trainer on port, orchestrator on port + 1
+    config["monitor"] = {"prometheus_port": port, "wandb": {"mode": "offline", "project": "e2e"}}
+    # On-policy: after each step the trainer waits while inference loads its weights and generates the next
+    # batch, so its endpoint serves a step for seconds. With max_async_level = 1 the next batches can be
+    # ready already and the trainer can run steps 1-3 and exit between two polls (seen in CI).
+    config["orchestrator"]["max_async_level"] = 0
     cfg = write_config(tmp_path / "rl.toml", config)
-    scraper = StepScraper({"trainer": port, "orchestrator": port + 1} if monitored else {})
+    scraper = StepScraper({"trainer": port, "orchestrator": port + 1})
     scraper.start()
     try:
         proc = subprocess.run(
@@ -79,13 +78,12 @@ def test_three_steps_with_verified_weight_updates(family, tiny_model_factory, tm
         scraper.done.set()
         scraper.join()
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    if monitored:
-        assert scraper.steps.get("trainer", 0) >= 1 and scraper.steps.get("orchestrator", 0) >= 1, scraper.steps
-        # one offline wandb run (nothing sent) holding the trainer's and the orchestrator's metrics of each step
-        runs = sorted((out / "wandb").rglob("offline-run-*"))
-        assert len(runs) == 1, runs
-        data = b"".join(p.read_bytes() for p in runs[0].glob("*.wandb"))
-        assert b"grad_norm" in data and b"reward/mean" in data and b"policy/lag_mean" in data
+    assert scraper.steps.get("trainer", 0) >= 1 and scraper.steps.get("orchestrator", 0) >= 1, scraper.steps
+    # one offline wandb run (nothing sent) holding the trainer's and the orchestrator's metrics of each step
+    runs = sorted((out / "wandb").rglob("offline-run-*"))
+    assert len(runs) == 1, runs
+    data = b"".join(p.read_bytes() for p in runs[0].glob("*.wandb"))
+    assert b"grad_norm" in data and b"reward/mean" in data and b"policy/lag_mean" in data
 
     metrics = _read_jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]

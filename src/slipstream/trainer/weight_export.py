@@ -1,9 +1,10 @@
-"""The trainer's model as a stream of Hugging Face tensors, one layer at a time: every rank gathers a layer's FSDP
-shards (the layer's FSDP unit is unsharded in one all-gather, the next layer's gather already in flight; parameters
-outside any unit fall back to `full_tensor()`; all collectives, so all ranks iterate in lockstep), the tensors are
-renamed (our models through their family's adapter, experts unstacked), and only
-that layer is held in full. LoRA adapters are folded into their weights (a merged model; trainer/lora_export.py
-writes the adapter alone).
+"""The trainer's model as a stream of Hugging Face tensors, one layer at a time, in lockstep on every rank (the
+gathers are collectives): sharded tensors arrive whole from trainer/shard_gather.py (several layers per
+all-gather, cast to the published dtype before they travel, the next chunk in flight), or, with LoRA adapters to fold
+into float32 weights, from unsharding each layer's FSDP unit (the next layer's already in flight); tensors sharded
+in another way fall back to `full_tensor()`. The tensors are renamed (our models through their family's adapter,
+experts unstacked), and only a chunk of layers is held in full. LoRA adapters are folded into their weights (a
+merged model; trainer/lora_export.py writes the adapter alone).
 
 The stream's metadata (names, dtypes, shapes) is known before any gather, so the bucket plan can be sent first.
 The tensors are cast to the published dtype where they are copied into their bucket (transport/bucket_assembly.py).
@@ -17,7 +18,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from slipstream.models.common.lora import is_lora_name, merged_tensor
+from slipstream.models.common.lora import has_lora, is_lora_name, merged_tensor
+from slipstream.trainer.shard_gather import CHUNK_BYTES, ShardGatherer
 from slipstream.transport.bucket_assembly import Run
 from slipstream.transport.weight_stream import TensorMeta
 
@@ -62,7 +64,9 @@ class HFWeightStream:
     (which module attribute holds which HF tensors, which FSDP units to unshard) is computed here, so a version
     costs a few Python operations per tensor."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+    def __init__(
+        self, model: nn.Module, dtype: torch.dtype, gather: bool = True, chunk_bytes: int = CHUNK_BYTES
+    ) -> None:
         from slipstream.trainer.logprobs import is_custom_model
 
         self.dtype = dtype
@@ -102,6 +106,16 @@ class HFWeightStream:
             TensorMeta(name, "float32" if is_kept_in_fp32(name, fp32) else dtype_name, shape)
             for name, shape in published
         ]
+        # Sharded tensors are gathered several layers at a time, already cast (trainer/shard_gather.py), unless
+        # LoRA adapters must be folded into the float32 weights first: then each layer's FSDP unit is unsharded.
+        self.gatherer: ShardGatherer | None = None
+        if gather and not has_lora(model):
+            dtypes = [
+                [torch.float32 if any(is_kept_in_fp32(n, fp32) for n in names) else dtype for _, _, names, _ in group]
+                for group in self.plan
+            ]
+            gatherer = ShardGatherer(self.plan, dtypes, chunk_bytes)
+            self.gatherer = gatherer if gatherer.num_collectives else None
 
     def metas(self) -> list[TensorMeta]:
         return list(self.metas_)
@@ -112,32 +126,55 @@ class HFWeightStream:
 
     @torch.no_grad()
     def layers(self) -> Iterator[list[Run]]:
-        """Each layer's runs, in stream order: a layer's FSDP units are unsharded (the next layer's already in
-        flight) while its runs are consumed, and resharded when the next layer is requested."""
-        from torch.distributed.tensor import DTensor
-
+        """Each layer's runs, in stream order. With a gatherer, the sharded tensors of a chunk of layers arrive whole
+        from one all-gather per process group (the next chunk's already in flight); without, a layer's FSDP units are
+        unsharded (the next layer's already in flight) while its runs are consumed, and resharded when the next
+        layer is requested."""
+        if self.gatherer is not None:
+            yield from self._gathered_layers(self.gatherer)
+            return
         handles = _unshard(self.owners[0]) if self.owners else []
-        for k, entries in enumerate(self.plan):
+        for k in range(len(self.plan)):
             for handle in handles:
                 handle.wait()
             handles = _unshard(self.owners[k + 1]) if k + 1 < len(self.owners) else []  # overlaps this layer
-            runs = []
-            for module, attr, names, first in entries:
-                tensor = getattr(module, attr)  # FSDP swaps in the unsharded parameter while its unit is unsharded
-                if isinstance(tensor, DTensor):
-                    tensor = tensor.full_tensor()  # outside any unit: gathered alone
-                tensor = merged_tensor(module, attr, tensor)  # LoRA: the adapter folded in (W + s B A)
-                if first is None:
-                    runs.append(Run(names, tensor, False))
-                else:
-                    runs.append(Run(names, tensor[first : first + len(names)], True))
-            if self.converted[k] is not None:
-                runs = self._to_checkpoint_layout(runs, self.converted[k])
-            if self.transposed:
-                runs = [self._as_source(run) for run in runs]
-            yield runs
+            # FSDP swaps in the unsharded parameters while their unit is unsharded
+            yield self._runs(k, {})
             for module in self.owners[k]:
                 module.reshard()
+
+    def _gathered_layers(self, gatherer: ShardGatherer) -> Iterator[list[Run]]:
+        pending = gatherer.start(0)
+        whole: dict[tuple[int, int], Tensor] = {}
+        for k in range(len(self.plan)):
+            chunk = gatherer.chunk_of[k]
+            if gatherer.chunks[chunk][0] == k:
+                whole = gatherer.finish(pending)
+                if chunk + 1 < len(gatherer.chunks):
+                    pending = gatherer.start(chunk + 1)  # overlaps this chunk's layers
+            yield self._runs(k, whole)
+
+    def _runs(self, k: int, whole: dict[tuple[int, int], Tensor]) -> list[Run]:
+        """Layer group k as runs of HF tensors; `whole` holds the entries already gathered (by (k, entry index))."""
+        from torch.distributed.tensor import DTensor
+
+        runs = []
+        for i, (module, attr, names, first) in enumerate(self.plan[k]):
+            tensor = whole.pop((k, i), None)
+            if tensor is None:
+                tensor = getattr(module, attr)
+                if isinstance(tensor, DTensor):
+                    tensor = tensor.full_tensor()  # outside any unit (or sharded twice): gathered alone
+                tensor = merged_tensor(module, attr, tensor)  # LoRA: the adapter folded in (W + s B A)
+            if first is None:
+                runs.append(Run(names, tensor, False))
+            else:
+                runs.append(Run(names, tensor[first : first + len(names)], True))
+        if self.converted[k] is not None:
+            runs = self._to_checkpoint_layout(runs, self.converted[k])
+        if self.transposed:
+            runs = [self._as_source(run) for run in runs]
+        return runs
 
     def _as_source(self, run: Run) -> Run:
         """A run of one tensor that the source checkpoint holds transposed, as a transposed view (the bucket copy

@@ -1,0 +1,138 @@
+"""The sender's side without the send: how long an FSDP-sharded trainer takes to produce its weight stream in
+bfloat16 (every rank gathers; rank 0 also assembles the 512 MiB buckets, as before a broadcast; nothing is sent),
+with the chunked all-gather of trainer/shard_gather.py and with the per-layer
+FSDP unsharding it replaces, measured in the same run on the same model. GPUs (NCCL, one rank per GPU, the trainer's
+mixed-precision policy: FSDP gathers bfloat16) or CPU ranks (gloo; FSDP gathers float32 there).
+
+    python benchmarks/stream_gather.py --device cuda --world 2 --model qwen3-0.6b
+    python benchmarks/stream_gather.py --device cpu --world 2 --model qwen3-0.6b --layers 8
+
+Prints per variant the best of `--repeats` after a warm-up, and `gather_speedup: <x>` (unsharding time / chunked
+gather time) last.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from weight_transfer import BUCKET_MB, MODELS, _free_port, _NullSink  # noqa: E402
+
+
+def build_sharded(name: str, layers: int | None, device: torch.device, mesh) -> torch.nn.Module:
+    """Our model of that shape (cut to `layers` decoder layers), random float32 masters, FSDP2 per block and root
+    with the trainer's mixed-precision policy."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig
+
+    from slipstream.models.registry import build_model
+    from slipstream.parallel.fsdp import build_mp_policy
+
+    spec = dict(MODELS[name])
+    if layers is not None:
+        spec["num_hidden_layers"] = layers
+    hf_config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    with torch.device("meta"):
+        model = build_model(hf_config, "custom")
+    policy = build_mp_policy(torch.bfloat16, device.type)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    return model
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+
+
+def worker(rank: int, args: dict, results) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from slipstream.trainer.weight_export import HFWeightStream
+    from slipstream.transport.bucket_assembly import BucketBuffers, stream_to
+    from slipstream.transport.weight_stream import Manifest, plan_buckets
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args["port"]))
+    if args["device"] == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        dist.init_process_group("nccl", rank=rank, world_size=args["world"], device_id=device)
+    else:
+        torch.set_num_threads(args["threads"])
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=args["world"])
+    mesh = init_device_mesh(device.type, (args["world"],))
+    model = build_sharded(args["model"], args["layers"], device, mesh)
+    streams = {
+        "unshard_per_layer": HFWeightStream(model, torch.bfloat16, gather=False),
+        "chunked_gather": HFWeightStream(model, torch.bfloat16),
+    }
+    manifests = {n: Manifest(1, tuple(plan_buckets(s.metas(), BUCKET_MB << 20))) for n, s in streams.items()}
+    buffers = {name: BucketBuffers() for name in streams}  # kept from one version to the next, as the publisher does
+    out = {
+        "bytes": streams["chunked_gather"].num_bytes,
+        "collectives": streams["chunked_gather"].gatherer.num_collectives,
+    }
+    out["layer_groups"] = len(streams["chunked_gather"].plan)
+    for _ in range(2):  # interleaved, twice, so drift on a shared machine hits both
+        for name, stream in streams.items():
+            times = []
+            for _ in range(args["repeats"] + 1):  # the first is a warm-up
+                _sync(device)
+                start = time.perf_counter()
+                stream_to(stream, manifests[name], [_NullSink()] if rank == 0 else [], buffers[name])
+                _sync(device)
+                times.append(time.perf_counter() - start)
+            out[f"{name}_s"] = min(out.get(f"{name}_s", float("inf")), *times[1:])
+    if rank == 0:
+        results.update(out)
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--model", choices=list(MODELS), default="qwen3-0.6b")
+    parser.add_argument("--layers", type=int, default=None, help="cut the model to this many decoder layers")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per CPU rank")
+    cli = parser.parse_args()
+    if cli.device == "cuda" and torch.cuda.device_count() < cli.world:
+        print(
+            f"error: --world {cli.world} needs {cli.world} GPUs, {torch.cuda.device_count()} visible", file=sys.stderr
+        )
+        return 1
+    hardware = f"{cli.world} x {torch.cuda.get_device_name(0)}" if cli.device == "cuda" else f"{cli.world} CPU ranks"
+    print(f"# {hardware}, torch {torch.__version__}, {cli.model}, layers {cli.layers or 'all'}", flush=True)
+    args = vars(cli) | {"port": _free_port()}
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(worker, args=(args, results), nprocs=cli.world, join=True)
+        r = dict(results)
+    print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
+    gb = r["bytes"] / 1e9
+    for name in ("unshard_per_layer", "chunked_gather"):
+        print(f"{name:18s} {r[f'{name}_s'] * 1e3:9.1f} ms  ({gb / r[f'{name}_s']:.1f} GB/s of bf16 stream)")
+    print(f"gather_speedup: {r['unshard_per_layer_s'] / r['chunked_gather_s']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
