@@ -25,34 +25,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from weight_transfer import BUCKET_MB, MODELS, _free_port, _NullSink  # noqa: E402
-
-
-def build_sharded(name: str, layers: int | None, device: torch.device, mesh) -> torch.nn.Module:
-    """Our model of that shape (cut to `layers` decoder layers), random float32 masters, FSDP2 per block and root
-    with the trainer's mixed-precision policy."""
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoConfig
-
-    from slipstream.models.registry import build_model
-    from slipstream.parallel.fsdp import build_mp_policy
-
-    spec = dict(MODELS[name])
-    if layers is not None:
-        spec["num_hidden_layers"] = layers
-    hf_config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-    with torch.device("meta"):
-        model = build_model(hf_config, "custom")
-    policy = build_mp_policy(torch.bfloat16, device.type)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    model.to_empty(device=device)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-    return model
+from weight_transfer import BUCKET_MB, MODELS, _free_port, _NullSink, build_model  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -78,7 +51,7 @@ def worker(rank: int, args: dict, results) -> None:
         device = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=args["world"])
     mesh = init_device_mesh(device.type, (args["world"],))
-    model = build_sharded(args["model"], args["layers"], device, mesh)
+    model = build_model(args["model"], device, mesh, args["layers"])
     streams = {
         "unshard_per_layer": HFWeightStream(model, torch.bfloat16, gather=False),
         "chunked_gather": HFWeightStream(model, torch.bfloat16),

@@ -55,13 +55,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_model(name: str, device: torch.device, fsdp_mesh=None) -> torch.nn.Module:
-    """Our model of that shape with random float32 weights on `device` (FSDP-sharded over `fsdp_mesh` if given)."""
+def build_model(name: str, device: torch.device, fsdp_mesh=None, layers: int | None = None) -> torch.nn.Module:
+    """Our model of that shape (cut to `layers` decoder layers if given) with random float32 weights on `device`
+    (FSDP-sharded over `fsdp_mesh` if given, with the trainer's mixed-precision policy)."""
     from transformers import AutoConfig
 
     from slipstream.models.registry import build_model as build
 
     spec = dict(MODELS[name])
+    if layers is not None:
+        spec["num_hidden_layers"] = layers
     hf_config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     with torch.device("meta"):
         model = build(hf_config, "custom")
@@ -70,7 +73,7 @@ def build_model(name: str, device: torch.device, fsdp_mesh=None) -> torch.nn.Mod
 
         from slipstream.parallel.fsdp import build_mp_policy
 
-        policy = build_mp_policy(torch.bfloat16, "cuda")  # the trainer's: FSDP all-gathers bf16 parameters
+        policy = build_mp_policy(torch.bfloat16, fsdp_mesh.device_type)  # the trainer's (on GPUs: bf16 gathers)
         for block in model.layers:
             fully_shard(block, mesh=fsdp_mesh, mp_policy=policy)
         fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
