@@ -41,7 +41,13 @@ class _Collect:
 
 
 def stream_both_ways(
-    model_dir: str, impl: str, parallel: ParallelConfig, keep_in_fp32: tuple[str, ...], output_dir, result_path
+    model_dir: str,
+    impl: str,
+    parallel: ParallelConfig,
+    keep_in_fp32: tuple[str, ...],
+    output_dir,
+    result_path,
+    device: str = "cpu",
 ) -> None:
     """Every rank: set up the trainer, stream its model in bfloat16 with the chunked gather (one chunk; one chunk per
     layer group) and with per-layer unsharding; rank 0 saves the buckets of each and the gatherers' statistics.
@@ -62,7 +68,7 @@ def stream_both_ways(
         output_dir=output_dir,
         max_steps=1,
         parallel=parallel,
-        device="cpu",
+        device=device,
         num_threads=1,
     )
     trainer = setup_trainer(config)
@@ -91,7 +97,7 @@ def stream_both_ways(
         stream_to(stream, manifest, [sink] if dist.get_rank() == 0 else [])
         gatherer = stream.gatherer
         results[name] = {
-            "buckets": [sink.buckets[i] for i in sorted(sink.buckets)],
+            "buckets": [sink.buckets[i].cpu() for i in sorted(sink.buckets)],
             "collectives": None if gatherer is None else gatherer.num_collectives,
             "chunks": None if gatherer is None else len(gatherer.chunks),
             "groups": len(stream.plan),
@@ -125,8 +131,28 @@ def stream_runs(request, tiny_model_factory, tmp_path_factory):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_chunked_gather_sends_the_same_bytes_as_unsharding(case, stream_runs):
-    *_, all_gathered = CASES[case]
-    results = torch.load(stream_runs.run(case) / "result.pt")
+    _check(case, torch.load(stream_runs.run(case) / "result.pt"), kept_in_fp32=case in KEEP_IN_FP32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("case", ["qwen3-custom-fsdp2", "qwen3_moe-custom-fsdp2"])
+def test_chunked_gather_over_nccl_sends_the_same_bytes_as_unsharding(case, tiny_model_factory, tmp_path):
+    """The same on 2 GPUs: NCCL's asynchronous all-gathers, FSDP's bf16 mixed precision (its unsharded parameters are
+    already bf16), CUDA streams."""
+    from tests.distributed.helpers import run_ranks
+
+    family, impl, world_size, parallel, _ = CASES[case]
+    write_step_batches(tmp_path / "out", 1, world_size=world_size)
+    model_dir = str(tiny_model_factory(family))
+    # No tensor kept in float32 here: per-layer unsharding would publish FSDP's bf16 copy of it (the chunked gather
+    # sends the float32 master), so the two paths would rightly differ.
+    run_ranks(world_size, stream_both_ways, model_dir, impl, parallel, (), tmp_path / "out", tmp_path / "r.pt", "cuda")
+    _check(case, torch.load(tmp_path / "r.pt"), kept_in_fp32=False)
+
+
+def _check(case: str, results: dict, kept_in_fp32: bool) -> None:
+    all_gathered = CASES[case][-1]
     reference = results["unshard"]
     assert reference["collectives"] is None and len(reference["buckets"]) >= 2
     for name in ("one_chunk", "chunk_per_layer"):
@@ -140,7 +166,7 @@ def test_chunked_gather_sends_the_same_bytes_as_unsharding(case, stream_runs):
     assert one["chunks"] == 1 and per_layer["chunks"] == per_layer["groups"] > 1
     # One all-gather per process group and dtype in a chunk: the tiny models are one chunk, and the float32 q_norm
     # weights of qwen3-custom-fsdp2 add one. (ep2 on 2 ranks: the experts' ep group is the FSDP group.)
-    assert one["collectives"] == (2 if case in KEEP_IN_FP32 else 1)
+    assert one["collectives"] == (2 if kept_in_fp32 else 1)
 
 
 @pytest.mark.parametrize(("rows", "size", "want"), [(10, 2, [5, 5]), (5, 4, [2, 2, 1, 0]), (1, 2, [1, 0])])
