@@ -8,11 +8,11 @@ Scenarios (those that fit the visible GPUs):
 - `1to1`: trainer on GPU 0 -> one receiver on GPU 1;
 - `fsdp2`: trainer FSDP over GPUs 0-1 -> receivers on GPUs 2 and 3 (NCCL wants one GPU per rank).
 Models: Qwen3-0.6B's shape, and Qwen3-30B-A3B's shape cut to 8 layers (random weights; float32 masters as in
-training). Reported next to each: raw NCCL broadcast bandwidth of the same group and bucket size, measured in the same
+training). Reported next to each: raw NCCL broadcast bandwidth of the same group (512 MiB buffer), measured in the same
 run, and the filesystem path (the same stream written as safetensors shards, then read and loaded by the receivers).
 `transfer_efficiency` = stream GB/s / raw broadcast GB/s; the lowest over all runs is printed last.
 
-    python benchmarks/weight_transfer.py [--scenarios 1to1,fsdp2] [--models qwen3-0.6b,qwen3-30b-a3b-8l]
+    python benchmarks/weight_transfer.py [--scenarios 1to1,fsdp2] [--models qwen3-0.6b,qwen3-30b-a3b-8l] [--bucket-mb 512]
 """
 
 import argparse
@@ -45,6 +45,8 @@ MODELS = {
 SCENARIOS = {"1to1": (1, 1), "fsdp2": (2, 2)}
 """name -> (trainer ranks, receivers)."""
 BUCKET_MB = 512
+RAW_BYTES = 512 << 20
+"""The raw broadcast baseline's buffer: 512 MiB whatever the bucket size, so a smaller bucket cannot lower the bar."""
 RAW_ITERS = 10
 REPEATS = 3
 
@@ -92,16 +94,15 @@ def sender(rank: int, args: dict, stream, manifest, group, results: dict) -> Non
     from slipstream.transport.weight_stream import BroadcastSink, SafetensorsSink, broadcast
 
     device = torch.device("cuda", torch.cuda.current_device())
-    bucket_bytes = max(b.nbytes for b in manifest.buckets)
     if rank == 0:
-        buf = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
-        broadcast(group, buf)  # warm-up
+        buf = torch.empty(max(RAW_BYTES, *(b.nbytes for b in manifest.buckets)), dtype=torch.uint8, device=device)
+        broadcast(group, buf[:RAW_BYTES])  # warm-up
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(RAW_ITERS):
-            broadcast(group, buf)
+            broadcast(group, buf[:RAW_BYTES])
         torch.cuda.synchronize()
-        results["raw_gbps"] = bucket_bytes * RAW_ITERS / (time.perf_counter() - start) / 1e9
+        results["raw_gbps"] = RAW_BYTES * RAW_ITERS / (time.perf_counter() - start) / 1e9
         times = []
         for _ in range(REPEATS + 1):  # the plan's bucket sizes, no assembly, receivers do not load
             start = time.perf_counter()
@@ -197,8 +198,7 @@ def receiver(index: int, args: dict, init, manifest) -> None:
 
     rx = WeightReceiver(device, rank_in_receivers=index)
     rx.join(init)
-    bucket_bytes = max(b.nbytes for b in manifest.buckets)
-    buf = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
+    buf = torch.empty(RAW_BYTES, dtype=torch.uint8, device=device)
     for _ in range(RAW_ITERS + 1):
         broadcast(rx.group, buf)
     for _ in range(REPEATS + 1):  # the plan's buckets, bare
@@ -243,7 +243,7 @@ def worker(rank: int, args: dict, results) -> None:
     else:
         stream = None
         metas = HFWeightStream(build_model(args["model"], torch.device("meta")), torch.bfloat16).metas()
-    manifest = Manifest(1, tuple(plan_buckets(metas, BUCKET_MB << 20)))
+    manifest = Manifest(1, tuple(plan_buckets(metas, args["bucket_mb"] << 20)))
     if rank == 0:
         store = open_store("127.0.0.1", args["store_port"], is_master=True, timeout_s=300)
         group = open_group(store, init, 0, device)
@@ -259,7 +259,7 @@ def worker(rank: int, args: dict, results) -> None:
         dist.destroy_process_group()
 
 
-def run(scenario: str, model: str) -> dict:
+def run(scenario: str, model: str, bucket_mb: int = BUCKET_MB) -> dict:
     num_trainers, num_receivers = SCENARIOS[scenario]
     fs_dir = Path(tempfile.mkdtemp(prefix="slipstream-wt-"))
     args = {
@@ -269,6 +269,7 @@ def run(scenario: str, model: str) -> dict:
         "store_port": _free_port(),
         "trainer_port": _free_port(),
         "fs_dir": str(fs_dir / "weights"),
+        "bucket_mb": bucket_mb,
     }
     with mp.Manager() as manager:
         results = manager.dict()
@@ -283,17 +284,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenarios", default="1to1,fsdp2")
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument(
+        "--bucket-mb", type=int, default=BUCKET_MB, help="bucket size (the trainer's weights.bucket_mb)"
+    )
     cli = parser.parse_args()
     num_gpus = torch.cuda.device_count()
     gpu = torch.cuda.get_device_name(0) if num_gpus else "none"
-    print(f"# {num_gpus} x {gpu}, torch {torch.__version__}, bucket {BUCKET_MB} MiB, bf16", flush=True)
+    print(f"# {num_gpus} x {gpu}, torch {torch.__version__}, bucket {cli.bucket_mb} MiB, bf16", flush=True)
     efficiencies = []
     for scenario in cli.scenarios.split(","):
         if sum(SCENARIOS[scenario]) > num_gpus:
             print(f"# skipping {scenario}: needs {sum(SCENARIOS[scenario])} GPUs, {num_gpus} visible", flush=True)
             continue
         for model in cli.models.split(","):
-            r = run(scenario, model)
+            r = run(scenario, model, cli.bucket_mb)
             efficiencies.append(r["efficiency"])
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
             print(
