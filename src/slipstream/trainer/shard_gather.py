@@ -211,6 +211,7 @@ class ShardGatherer:
                 out[source.key] = whole[source.whole_offset : source.whole_offset + numel].view(source.shape)
             if dsts:
                 torch._foreach_copy_(dsts, srcs)
+        pending.works.clear()  # the received buffers go before the next chunk's are allocated
         return out
 
 
