@@ -78,7 +78,9 @@ def test_wordle_trains_two_steps_and_stops_at_the_context_limit(tiny_qwen3_dir, 
         # a random model's sampled tokens rarely re-tokenize the same, so turns may break the prefix: counted, split
         assert m["batch/num_samples"] == 8 + m["rollout/num_prefix_breaks"]
         assert m["env/solved"] == 0 and m["env/num_guesses"] == 2 and 0 <= m["env/format"] <= 1
-        assert m["seq_len/mean"] > m["completion_len/mean"] == 24  # two turns of 12 tokens, env turns between
+        # two turns of at most 12 tokens (a random model may sample its end-of-turn token early: seen once, 23.75),
+        # with the environment's turns between them
+        assert m["seq_len/mean"] > m["completion_len/mean"] + 100 and 12 < m["completion_len/mean"] <= 24
     evals = _read_jsonl(out / "eval" / "online.jsonl")
     assert [e["step"] for e in evals][0] == 0 and evals[-1]["step"] == 2
     assert all(e["num_errors"] == 0 and e["env_metrics"]["num_guesses"] == 2 for e in evals)  # stopped at turn 3
