@@ -13,6 +13,7 @@ run, and the filesystem path (the same stream written as safetensors shards, the
 `transfer_efficiency` = stream GB/s / raw broadcast GB/s; the lowest over all runs is printed last.
 
     python benchmarks/weight_transfer.py [--scenarios 1to1,fsdp2] [--models qwen3-0.6b,qwen3-30b-a3b-8l] [--bucket-mb 512]
+        [--skip-filesystem]
 """
 
 import argparse
@@ -126,6 +127,8 @@ def sender(rank: int, args: dict, stream, manifest, group, results: dict) -> Non
     if rank == 0:
         results["stream_gbps"] = manifest.nbytes / results["stream_s"] / 1e9
         _time_assembly(stream, manifest, buffers, results)
+    if args["skip_filesystem"]:
+        return
     folder = Path(args["fs_dir"])
     _trainer_barrier(args)
     start = time.perf_counter()
@@ -211,6 +214,9 @@ def receiver(index: int, args: dict, init, manifest) -> None:
         for _ in range(REPEATS + 1):
             rx.receive(info, loader)
             _sync(rx.group)
+    if args["skip_filesystem"]:
+        rx.shutdown()
+        return
     folder = Path(args["fs_dir"])
     while not (folder / "READY").exists():
         time.sleep(0.01)
@@ -259,7 +265,7 @@ def worker(rank: int, args: dict, results) -> None:
         dist.destroy_process_group()
 
 
-def run(scenario: str, model: str, bucket_mb: int = BUCKET_MB) -> dict:
+def run(scenario: str, model: str, bucket_mb: int = BUCKET_MB, skip_filesystem: bool = False) -> dict:
     num_trainers, num_receivers = SCENARIOS[scenario]
     fs_dir = Path(tempfile.mkdtemp(prefix="slipstream-wt-"))
     args = {
@@ -270,6 +276,7 @@ def run(scenario: str, model: str, bucket_mb: int = BUCKET_MB) -> dict:
         "trainer_port": _free_port(),
         "fs_dir": str(fs_dir / "weights"),
         "bucket_mb": bucket_mb,
+        "skip_filesystem": skip_filesystem,
     }
     with mp.Manager() as manager:
         results = manager.dict()
@@ -285,6 +292,11 @@ def main() -> int:
     parser.add_argument("--scenarios", default="1to1,fsdp2")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument(
+        "--skip-filesystem",
+        action="store_true",
+        help="leave out the filesystem baseline (it takes ~40 s per pass for the MoE shape on a slow disk)",
+    )
+    parser.add_argument(
         "--bucket-mb", type=int, default=BUCKET_MB, help="bucket size (the trainer's weights.bucket_mb)"
     )
     cli = parser.parse_args()
@@ -297,13 +309,18 @@ def main() -> int:
             print(f"# skipping {scenario}: needs {sum(SCENARIOS[scenario])} GPUs, {num_gpus} visible", flush=True)
             continue
         for model in cli.models.split(","):
-            r = run(scenario, model, cli.bucket_mb)
+            r = run(scenario, model, cli.bucket_mb, cli.skip_filesystem)
             efficiencies.append(r["efficiency"])
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
             print(
                 f"{scenario:6s} {model:18s} {r['bytes'] / 1e9:6.2f} GB: stream {r['stream_s']:.3f}s "
                 f"({r['stream_gbps']:.1f} GB/s) vs raw NCCL broadcast {r['raw_gbps']:.1f} GB/s "
-                f"-> efficiency {r['efficiency']:.2f}; filesystem {r['fs_s']:.2f}s (write {r['fs_write_s']:.2f}s)",
+                f"-> efficiency {r['efficiency']:.2f}; "
+                + (
+                    f"filesystem {r['fs_s']:.2f}s (write {r['fs_write_s']:.2f}s)"
+                    if "fs_s" in r
+                    else "filesystem skipped"
+                ),
                 flush=True,
             )
             assemble = f"{r['assemble_s'] * 1e3:.1f} ms" if "assemble_s" in r else "n/a (FSDP)"
