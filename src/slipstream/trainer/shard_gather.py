@@ -98,7 +98,6 @@ class _Gather:
 class Pending:
     """A chunk whose gathers are in flight."""
 
-    chunk: int
     works: list[tuple[_Gather, object, Tensor, Tensor]]
     """(gather, its async work, the send buffer kept alive until it completes, the receive buffer)."""
 
@@ -188,7 +187,7 @@ class ShardGatherer:
             received = torch.empty(gather.axis.size * gather.send_numel, dtype=gather.dtype, device=device)
             work = _all_gather_flat(received, send, gather.axis.group)
             works.append((gather, work, send, received))
-        return Pending(chunk, works)
+        return Pending(works)
 
     @torch.no_grad()
     def finish(self, pending: Pending) -> dict[tuple[int, int], Tensor]:
