@@ -394,7 +394,8 @@ def run_impl(args: argparse.Namespace, impl: str, device: torch.device) -> Resul
     autocast_dtype = torch.float32 if mesh is not None and device.type == "cuda" else compute_dtype
     step_s, metrics = time_steps(policy, optimizer, batch, device, autocast_dtype, args.warmup, args.steps)
     if args.profile is not None and impl == args.impl:
-        profile_step(policy, optimizer, batch, device, compute_dtype, args.profile)
+        # every rank runs the step (its collectives), rank 0 writes the profile
+        profile_step(policy, optimizer, batch, device, compute_dtype, args.profile if args.rank == 0 else None)
     tokens_per_s = args.seq_len / step_s
     mfu = flops_per_token(cfg, context) * tokens_per_s / PEAK_FLOPS if device.type == "cuda" else None
     peak = _peak_memory_gib(device)
@@ -430,20 +431,24 @@ def time_steps(policy, optimizer, batch, device, compute_dtype, num_warmup: int,
     return (time.perf_counter() - start) / num_steps, metrics
 
 
-def profile_step(policy, optimizer, batch, device, compute_dtype, path: Path) -> None:
-    """One more step under torch.profiler; writes its operators sorted by self device time (the kernels that take
-    the step) to `path`, and the same trace as Chrome JSON next to it (`path` + .json)."""
+def profile_step(policy, optimizer, batch, device, compute_dtype, path: Path | None) -> None:
+    """Two more steps under torch.profiler (the second shows the GPU's idle time between steps); writes their
+    operators sorted by self device time (the kernels that take the steps) to `path`, and the same trace as Chrome
+    JSON next to it (`path` + .json)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        train_step(policy, optimizer, batch, LossConfig(), 1.0, device, compute_dtype)
+    with profile(activities=activities, with_stack=True) as prof:
+        for _ in range(2):
+            train_step(policy, optimizer, batch, LossConfig(), 1.0, device, compute_dtype)
         _sync(device)
+    if path is None:
+        return
     sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort_by, row_limit=45, max_name_column_width=90)
     path.write_text(table)
     prof.export_chrome_trace(str(path) + ".json")
-    print(f"profile of one step: {path}", flush=True)
+    print(f"profile of two steps: {path}", flush=True)
 
 
 def _sync(device: torch.device) -> None:
@@ -590,7 +595,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         default=None,
         metavar="PATH",
-        help="after timing, profile one more step of --impl and write its top operators to PATH (+ PATH.json trace)",
+        help="after timing, profile two more steps of --impl and write their top operators to PATH (+ PATH.json trace)",
     )
     parser.add_argument(
         "--compare-torchtitan",
@@ -635,8 +640,8 @@ def main(argv: list[str] | None = None) -> None:
     info = read_rank_info()
     args.rank, args.world_size = info.rank, info.world_size
     device = rank_device(args.device, info)
-    if info.world_size > 1 and (args.compare_hf or args.compare_anchor or args.compare_torchtitan or args.profile):
-        raise SystemExit("under torchrun only our trainer runs: drop --compare-* and --profile (run them on one GPU)")
+    if info.world_size > 1 and (args.compare_hf or args.compare_anchor or args.compare_torchtitan):
+        raise SystemExit("under torchrun only our trainer runs: drop --compare-* (run them on one GPU)")
     if info.world_size == 1 and args.ep > 1:
         raise SystemExit(f"--ep {args.ep} needs torchrun with a multiple of {args.ep} ranks")
     owns_group = init_distributed(info, device)

@@ -29,6 +29,53 @@ def test_flex_matches_the_reference_mask_on_samples_and_trees():
     torch.testing.assert_close(got, packed_attention(q, k, v, position_ids_BT), rtol=1e-10, atol=1e-10)
 
 
+def _positions(lengths: list[int]) -> list[int]:
+    return [p for n in lengths for p in range(n)]
+
+
+# rows of independent samples: shorter than a block, across many blocks, ending on a block edge, one per row
+SAMPLE_ROWS = [
+    [[300, 5, 1, 200, 17], [100, 423]],
+    [[128, 128, 256, 60], [572]],
+    [[1, 1, 1, 126, 129, 2], [3, 257]],
+]
+
+
+@pytest.mark.parametrize("rows", SAMPLE_ROWS)
+def test_sample_rows_build_the_block_mask_create_block_mask_builds(rows):
+    """document_blocks.py's direct construction = create_block_mask's, block by block (partial and full blocks,
+    their order), and the attention through it = the reference, for rows of plain samples."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from slipstream.models.common.document_blocks import document_block_mask
+    from slipstream.models.common.prefix_tree import tree_ids
+
+    position_ids_BT = torch.tensor([_positions(lengths) for lengths in rows])
+    B, T = position_ids_BT.shape
+    start_BT = tree_ids(position_ids_BT).tree_start_BT
+
+    def mask_mod(b, h, q, kv):
+        return (start_BT[b, q] == start_BT[b, kv]) & (kv <= q)
+
+    got = document_block_mask(start_BT, mask_mod)
+    want = create_block_mask(mask_mod, B, None, T, T, device="cpu")
+    assert got.seq_lengths == want.seq_lengths
+    for counts, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+        got_n, want_n = getattr(got, counts), getattr(want, counts)
+        assert torch.equal(got_n, want_n), counts
+        for b, q in ((b, q) for b in range(B) for q in range(got_n.shape[-1])):
+            n = int(want_n[b, 0, q])
+            assert torch.equal(getattr(got, indices)[b, 0, q, :n], getattr(want, indices)[b, 0, q, :n]), (counts, b, q)
+    assert torch.equal(got.to_dense(), want.to_dense())
+    # the attention path: build_attention_layout takes the direct construction for such rows
+    layout = build_attention_layout(position_ids_BT, torch.float64, packed="flex")
+    assert layout.backend == "flex" and torch.equal(layout.block_mask.to_dense(), want.to_dense())
+    q, k, v = _qkv(T, seed=1)
+    q, k, v = (x.expand(B, -1, -1, -1).contiguous() for x in (q, k, v))
+    got_o = flex_attention_call(q, k, v, layout.block_mask)
+    torch.testing.assert_close(got_o, packed_attention(q, k, v, position_ids_BT), rtol=1e-10, atol=1e-10)
+
+
 def test_one_sample_rows_keep_their_own_path_and_bad_kernels_are_refused():
     assert build_attention_layout(torch.arange(8)[None], torch.float32, packed="flex").backend == "reference"
     with pytest.raises(ValueError, match="packed attention 'flash'"):

@@ -66,3 +66,24 @@ def test_validate_batch_checks_loss_token_count():
         validate_batch(TrainingBatch(step=1, rank=0, num_loss_tokens=1, micro_batches=[mb]), 1, 0, world_size=2)
     with pytest.raises(MicroBatchError, match="step 2"):
         validate_batch(TrainingBatch(step=1, rank=0, num_loss_tokens=2, micro_batches=[mb]), 2, 0, world_size=1)
+
+
+def test_micro_batches_convert_on_one_cpu_thread_and_restore_the_setting(monkeypatch):
+    """to_packed runs its CPU ops on one thread (a pool per tiny op is slower) and gives the thread count back, also
+    when the micro-batch is refused."""
+    from slipstream.trainer import data
+
+    seen = []
+    validate = data.validate_packed
+    monkeypatch.setattr(
+        data, "validate_packed", lambda packed: seen.append(torch.get_num_threads()) or validate(packed)
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        to_packed(_mb([0, 1, 2], loss_mask=[False, True, True]), torch.device("cpu"))
+        with pytest.raises(MicroBatchError):
+            to_packed(_mb([0, 1], temperatures=[1.0, 0.0]), torch.device("cpu"))
+        assert seen == [1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

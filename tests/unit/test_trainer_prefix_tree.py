@@ -254,3 +254,30 @@ def test_models_without_tree_support_train_trees_as_their_samples(tiny_model_fac
     assert got_grads.keys() == want_grads.keys() and len(want_grads) > 5
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["tree", "plain"])
+def test_layout_built_while_validating_is_the_one_the_forward_would_build(tiny_model_factory, monkeypatch, kind):
+    """to_packed keeps the layout it validated with; the policy takes it instead of rebuilding it from the positions
+    (on a GPU that rebuild is a host sync), with the same log-probs bit for bit."""
+    groups = _groups()
+    mb = tree_micro_batch(groups) if kind == "tree" else plain_micro_batch(groups)
+    packed = to_packed(mb, CPU)
+    want = build_padded_layout(packed.position_ids_T)
+    for name in ("row_T", "col_T", "is_start_T", "parent_T"):
+        assert torch.equal(getattr(packed.layout, name), getattr(want, name)), name
+    assert (packed.layout.num_rows, packed.layout.max_len, packed.layout.num_branches) == (
+        want.num_rows,
+        want.max_len,
+        want.num_branches,
+    )
+    assert (packed.layout.num_branches > 0) == (kind == "tree")
+    policy = Policy(load_pretrained(tiny_model_factory("qwen3"), impl="custom"), chunk_size=16)
+    args = (packed.input_ids_T, packed.position_ids_T, packed.temperatures_T, packed.loss_mask_T)
+    with torch.no_grad():
+        rebuilt = policy(*args)
+        rebuilds = []
+        monkeypatch.setattr(logprobs_module, "build_padded_layout", lambda *a: rebuilds.append(a) or want)
+        given = policy(*args, layout=packed.layout)
+    assert rebuilds == []
+    assert torch.equal(given[0], rebuilt[0]) and torch.equal(given[1], rebuilt[1])

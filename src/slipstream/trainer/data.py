@@ -4,6 +4,8 @@ Legend: T = tokens of a packed micro-batch, B = trees (one per padded row; a pla
 branches), L = longest tree, D = hidden, E = tokens with every tree written out as its samples.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -30,6 +32,9 @@ class PackedMicroBatch:
     temperatures_T: Tensor
     replay_TRA: Tensor | None = None
     """Router replay: inference's experts per token for each of the R MoE layers (int64, -1 where none)."""
+    layout: "PaddedLayout | None" = None
+    """The rows' layout, computed on the CPU while validating (to_packed) and copied with the tokens, so the
+    forward need not rebuild it on the device (a host sync and a dozen small kernels per micro-batch)."""
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +58,11 @@ class PaddedLayout:
     num_branches: int
     """Branches of all trees (0: independent samples only)."""
 
+    def to(self, device: torch.device) -> "PaddedLayout":
+        """The same layout with its tensors on `device`."""
+        moved = {f: getattr(self, f).to(device) for f in ("row_T", "col_T", "is_start_T", "parent_T")}
+        return replace(self, **moved)
+
 
 def to_packed(mb: MicroBatch, device: torch.device) -> PackedMicroBatch:
     """Convert and validate one micro-batch (sample starts, positions, temperatures, loss at sample starts).
@@ -61,6 +71,31 @@ def to_packed(mb: MicroBatch, device: torch.device) -> PackedMicroBatch:
     (each check on GPU tensors waited for the device; measured on an H100: ~10 ms of idle GPU per 16k-token step)."""
     if not mb.input_ids:
         raise MicroBatchError("empty micro-batch: the orchestrator must not emit micro-batches without tokens")
+    with one_cpu_thread():
+        cpu = _to_cpu_packed(mb)
+    if torch.device(device).type == "cpu":
+        return cpu
+    return PackedMicroBatch(**{f: None if t is None else t.to(device) for f, t in vars(cpu).items()})
+
+
+@contextmanager
+def one_cpu_thread() -> Iterator[None]:
+    """Run torch's CPU ops on one thread: a micro-batch's tensors are small, and waking a pool of intra-op threads
+    per op costs more than the op (measured on an H200 host, 32 threads: the CPU layout of 16k tokens took 8.0 ms,
+    1.2 ms on one thread; the GPU waits for it at every step's start). The setting is process-wide while it lasts."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _to_cpu_packed(mb: MicroBatch) -> PackedMicroBatch:
+    """The micro-batch as validated CPU tensors, with the layout built while validating."""
     try:
         cpu = PackedMicroBatch(
             input_ids_T=_tensor(mb.input_ids, np.int64),
@@ -78,10 +113,7 @@ def to_packed(mb: MicroBatch, device: torch.device) -> PackedMicroBatch:
         ) from e
     if mb.routing is not None:
         cpu = replace(cpu, replay_TRA=routing_tensor(mb.routing, len(mb.input_ids), torch.device("cpu")))
-    validate_packed(cpu)
-    if torch.device(device).type == "cpu":
-        return cpu
-    return PackedMicroBatch(**{f: None if t is None else t.to(device) for f, t in vars(cpu).items()})
+    return replace(cpu, layout=validate_packed(cpu))
 
 
 def _tensor(values: list, dtype: type) -> Tensor:
@@ -89,8 +121,9 @@ def _tensor(values: list, dtype: type) -> Tensor:
     return torch.from_numpy(np.asarray(values, dtype=dtype))
 
 
-def validate_packed(packed: PackedMicroBatch) -> None:
-    """The packing contract's checks on one converted micro-batch (MicroBatchError naming what is wrong)."""
+def validate_packed(packed: PackedMicroBatch) -> PaddedLayout:
+    """The packing contract's checks on one converted micro-batch (MicroBatchError naming what is wrong); returns
+    its rows' layout, built on the way."""
     if (packed.position_ids_T < 0).any():
         raise MicroBatchError("position_ids must be >= 0")
     layout = build_padded_layout(packed.position_ids_T)
@@ -107,6 +140,7 @@ def validate_packed(packed: PackedMicroBatch) -> None:
         )
     if not (packed.advantages_T.isfinite().all() and packed.inference_logprobs_T.isfinite().all()):
         raise MicroBatchError("advantages and inference_logprobs must be finite (a NaN or inf poisons the loss)")
+    return layout
 
 
 def routing_tensor(routing: Routing, num_tokens: int, device: torch.device) -> Tensor:

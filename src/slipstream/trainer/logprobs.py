@@ -57,7 +57,7 @@ def compute_logprobs(
 ) -> tuple[Tensor, Tensor]:
     """Return (logprobs_T, entropy_T): log p(input_ids[t] | its sample's prefix) at temperatures_T[t], and the
     entropy of that distribution. Both are 0 at each sample's first token. Gradients flow through logprobs_T."""
-    return packed_logprobs(model, mb.input_ids_T, mb.position_ids_T, mb.temperatures_T, chunk_size)
+    return packed_logprobs(model, mb.input_ids_T, mb.position_ids_T, mb.temperatures_T, chunk_size, layout=mb.layout)
 
 
 def packed_logprobs(
@@ -70,6 +70,7 @@ def packed_logprobs(
     context_parallel: ContextParallel | None = None,
     replay_TRA: Tensor | None = None,
     images: "ImageInputs | None" = None,
+    layout: PaddedLayout | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`compute_logprobs` on the micro-batch's tensors. Packed samples never attend to each other: our models
     separate them by position_ids (one row, no padding) or run one padded row per sample where that is cheaper
@@ -82,8 +83,10 @@ def packed_logprobs(
     owns; the results are summed over the cp group, so every cp rank returns the whole row's values.
     `replay_TRA` (router replay, our MoE models only) follows the tokens into whichever layout runs.
     `images` (vision-language models run by transformers): the micro-batch's images (vlm_batch.py).
+    `layout`: `build_padded_layout(position_ids_T)` when the caller has it already (to_packed builds it on the CPU).
     """
-    layout = build_padded_layout(position_ids_T)
+    if layout is None:
+        layout = build_padded_layout(position_ids_T)
     if replay_TRA is not None:
         check_replay(model, replay_TRA, input_ids_T.numel())
     # Token t (not a sample start) is predicted from the hidden state of token t - 1 of the same sample, or, for a

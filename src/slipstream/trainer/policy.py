@@ -16,6 +16,7 @@ from slipstream.parallel.cp import ContextParallel
 from slipstream.trainer.logprobs import DEFAULT_CHUNK_SIZE, packed_logprobs
 
 if TYPE_CHECKING:
+    from slipstream.trainer.data import PaddedLayout
     from slipstream.trainer.vlm_batch import ImageInputs
 
 WRAPPED_PREFIX = "model."
@@ -23,10 +24,11 @@ WRAPPED_PREFIX = "model."
 
 
 class Policy(nn.Module):
-    """`forward(input_ids_T, position_ids_T, temperatures_T, loss_mask_T=None, replay_TRA=None, images=None) ->
-    (logprobs_T, entropy_T)` (see packed_logprobs): with `loss_mask_T` the LM head runs only for loss tokens (0
-    elsewhere); `replay_TRA` replays inference's routing in the MoE layers (router replay); `images` are the
-    micro-batch's images (vision-language models).
+    """`forward(input_ids_T, position_ids_T, temperatures_T, loss_mask_T=None, replay_TRA=None, images=None,
+    layout=None) -> (logprobs_T, entropy_T)` (see packed_logprobs): with `loss_mask_T` the LM head runs only for
+    loss tokens (0 elsewhere); `replay_TRA` replays inference's routing in the MoE layers (router replay); `images`
+    are the micro-batch's images (vision-language models); `layout` is the rows' layout when the caller has it
+    (PackedMicroBatch.layout).
 
     With `context_parallel` (parallel/cp.py) the ranks of a cp group pass the same micro-batch, each runs its shard
     of the row, and each returns the whole row's values; `owned_tokens` says which tokens' loss a rank adds up."""
@@ -47,6 +49,7 @@ class Policy(nn.Module):
         loss_mask_T: Tensor | None = None,
         replay_TRA: Tensor | None = None,
         images: "ImageInputs | None" = None,
+        layout: "PaddedLayout | None" = None,
     ) -> tuple[Tensor, Tensor]:
         return packed_logprobs(
             self.model,
@@ -58,6 +61,7 @@ class Policy(nn.Module):
             context_parallel=self.context_parallel,
             replay_TRA=replay_TRA,
             images=images,
+            layout=layout,
         )
 
     def owned_tokens(

@@ -8,7 +8,7 @@ Legend: T = tokens of a packed micro-batch.
 
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -111,7 +111,7 @@ def packed_micro_batch(samples: list[SFTSample], device: torch.device) -> Packed
         inference_logprobs_T=zeros_T,
         temperatures_T=torch.ones(input_ids_T.numel()),
     )
-    validate_packed(packed)
+    packed = replace(packed, layout=validate_packed(packed))
     if device.type == "cpu":
         return packed
     return PackedMicroBatch(**{f: None if t is None else t.to(device) for f, t in vars(packed).items()})

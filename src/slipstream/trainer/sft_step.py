@@ -39,7 +39,13 @@ def run_passes(trainer: Trainer, micro_batches: list[list[SFTSample]], num_loss_
         is_padding = i >= len(micro_batches)
         packed = packed_micro_batch(micro_batches[min(i, len(micro_batches) - 1)], device)
         with mixed_precision(device, trainer.autocast_dtype):
-            logprobs_T, _ = policy(packed.input_ids_T, packed.position_ids_T, packed.temperatures_T, packed.loss_mask_T)
+            logprobs_T, _ = policy(
+                packed.input_ids_T,
+                packed.position_ids_T,
+                packed.temperatures_T,
+                packed.loss_mask_T,
+                layout=packed.layout,
+            )
         owned_T = policy.owned_tokens(packed.num_tokens, device, packed.position_ids_T)
         loss = sft_loss(logprobs_T, packed.loss_mask_T, num_loss_tokens, owned_T)
         if is_padding:

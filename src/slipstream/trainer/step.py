@@ -67,6 +67,7 @@ def train_step(
                 packed.temperatures_T,
                 packed.loss_mask_T,
                 replay_TRA=packed.replay_TRA,
+                layout=packed.layout,
                 **extra,
             )
         # Context parallelism: the cp ranks share this micro-batch, and each adds up the loss of its own tokens.

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from slipstream.models.common.document_blocks import document_block_mask
 from slipstream.models.common.norm import RMSNorm
 from slipstream.models.common.prefix_tree import has_branches, tree_ids, tree_mask
 from slipstream.models.common.rope import apply_rope
@@ -138,11 +139,18 @@ def _one_sample_per_row(position_ids_BT: Tensor) -> bool:
 
 def build_block_mask(position_ids_BT: Tensor):
     """flex_attention's BlockMask of `tree_mask`'s rule (same tree, causal, own segment or the root prefix it
-    continues), from per-token indices: no [T, T] tensor on CUDA, where its construction is compiled."""
+    continues), from per-token indices: no [T, T] tensor on CUDA, where its construction is compiled. Rows of
+    independent samples (no prefix tree) take document_blocks.py's direct construction (one host sync here)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     ids = tree_ids(position_ids_BT)
     tree_BT, segment_BT, fork_BT, is_root_BT = ids.tree_start_BT, ids.segment_start_BT, ids.fork_BT, ids.is_root_BT
+    if not bool(has_branches(position_ids_BT)):
+
+        def sample_mask_mod(b, h, q, kv):
+            return (tree_BT[b, q] == tree_BT[b, kv]) & (kv <= q)
+
+        return document_block_mask(tree_BT, sample_mask_mod)
 
     def mask_mod(b, h, q, kv):
         same_tree = tree_BT[b, q] == tree_BT[b, kv]
