@@ -3,6 +3,7 @@ accounting matches REFERENCE.md for Qwen3-0.6B and counts Qwen3.5-MoE's layer ty
 qwen3.5-moe-cut) build for both implementations on the meta device."""
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -112,3 +113,33 @@ def test_qwen35_moe_cut_shape_memory_and_flops(bench):
     assert bench.gated_delta_rule_flops(cfg) == delta_rule
     full_attention = 12 * 1 * 16 * 256 * 16384
     assert bench.flops_per_token(cfg, 16384) == 6 * active + full_attention + 3 * delta_rule
+
+
+def test_trace_gaps_finds_the_gpu_idle_time_and_what_the_host_ran(tmp_path, capsys, monkeypatch):
+    """benchmarks/trace_gaps.py on a hand-made trace: overlapping kernels count once, the gap between them is
+    reported with the host frame that ran across it."""
+    spec = importlib.util.spec_from_file_location("trace_gaps", SCRIPT.parent / "trace_gaps.py")
+    gaps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gaps)
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "a", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "b", "ts": 50, "dur": 100},  # overlaps a: busy 0..150
+        {"ph": "X", "cat": "gpu_memcpy", "name": "c", "ts": 1150, "dur": 50},  # a 1000 us gap before it
+        {
+            "ph": "X",
+            "cat": "python_function",
+            "name": "slipstream/trainer/data.py(1): to_packed",
+            "ts": 140,
+            "dur": 990,
+        },
+        {"ph": "X", "cat": "cpu_op", "name": "aten::index", "ts": 600, "dur": 20},  # too short to explain the gap
+    ]
+    span, busy, found = gaps.busy_and_gaps([e for e in events if e["cat"] != "python_function"][:3])
+    assert (span, busy, found) == (1200, 200, [(1000, 150, 1150)])
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    monkeypatch.setattr("sys.argv", ["trace_gaps.py", str(path)])
+    gaps.main()
+    out = capsys.readouterr().out
+    assert "busy 0.2 ms, idle 1.0 ms in 1 gaps" in out
+    assert "gap   1.00 ms at +    0.1 ms" in out and "to_packed (0.99 ms)" in out and "aten::index" not in out
