@@ -42,7 +42,13 @@ MODELS = {
         num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
         num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False,
     ),
+    # Qwen3-0.6B's tensor count (310) at tiny sizes: the stream's per-tensor host work alone (stream_gather.py)
+    "qwen3-28l-tiny": dict(
+        model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=28, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=True,
+    ),
 }  # fmt: skip
+DEFAULT_MODELS = ("qwen3-0.6b", "qwen3-30b-a3b-8l")
 SCENARIOS = {"1to1": (1, 1), "fsdp2": (2, 2)}
 """name -> (trainer ranks, receivers)."""
 BUCKET_MB = 512
@@ -290,7 +296,7 @@ def run(scenario: str, model: str, bucket_mb: int = BUCKET_MB, skip_filesystem: 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenarios", default="1to1,fsdp2")
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"of {', '.join(MODELS)}")
     parser.add_argument(
         "--skip-filesystem",
         action="store_true",

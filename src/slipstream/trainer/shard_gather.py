@@ -129,30 +129,36 @@ class ShardGatherer:
             self.chunks[-1].append(k)
             total += size
         self.chunk_of = {k: j for j, groups in enumerate(self.chunks) for k in groups}
+        self._planned: dict[tuple[tuple[int, int], ...], list[_Gather]] = {}
         self.num_collectives = sum(len(self._gathers(groups)) for groups in self.chunks)
         """All-gathers per version while every tensor is sharded."""
 
     def _gathers(self, groups: list[int]) -> list[_Gather]:
         """The collectives of the layer groups `groups`: one per process group and dtype, over the tensors sharded
-        right now."""
+        right now (planned once per set of such tensors, then reused: a version's stream asks for every chunk)."""
         from torch.distributed.tensor import DTensor
 
+        sharded = tuple(
+            (k, i)
+            for k in groups
+            for i, (module, attr, _, _) in enumerate(self.plan[k])
+            if (k, i) in self.axes and isinstance(getattr(module, attr), DTensor)
+        )
+        if sharded in self._planned:
+            return self._planned[sharded]
         by_key: dict[tuple[int, torch.dtype], _Gather] = {}
-        for k in groups:
-            for i, (module, attr, _, _) in enumerate(self.plan[k]):
-                axis = self.axes.get((k, i))
-                tensor = getattr(module, attr)
-                if axis is None or not isinstance(tensor, DTensor):
-                    continue
-                dtype = self.dtypes[k][i]
-                gather = by_key.setdefault((id(axis.group), dtype), _Gather(axis, dtype))
-                shape = tuple(tensor.shape)
-                rows = rows_per_rank(shape[0], axis.size)
-                source = _Source((k, i), shape, rows, gather.send_numel, gather.whole_numel)
-                gather.sources.append(source)
-                gather.send_numel += max(rows) * source.row_numel
-                gather.whole_numel += math.prod(shape)
-        return list(by_key.values())
+        for k, i in sharded:
+            module, attr, _, _ = self.plan[k][i]
+            axis, dtype = self.axes[(k, i)], self.dtypes[k][i]
+            gather = by_key.setdefault((id(axis.group), dtype), _Gather(axis, dtype))
+            shape = tuple(getattr(module, attr).shape)
+            rows = rows_per_rank(shape[0], axis.size)
+            source = _Source((k, i), shape, rows, gather.send_numel, gather.whole_numel)
+            gather.sources.append(source)
+            gather.send_numel += max(rows) * source.row_numel
+            gather.whole_numel += math.prod(shape)
+        self._planned[sharded] = list(by_key.values())
+        return self._planned[sharded]
 
     def is_gathered(self, k: int, i: int) -> bool:
         return (k, i) in self.axes
@@ -164,50 +170,63 @@ class ShardGatherer:
         is (FSDP's state is the same on every rank, so every rank leaves out the same tensors)."""
         works = []
         for gather in self._gathers(self.chunks[chunk]):
-            locals_ = []
-            for source in gather.sources:
-                k, i = source.key
-                module, attr, _, _ = self.plan[k][i]
-                local = getattr(module, attr).to_local()
-                if local.shape[0] != source.rows[gather.axis.rank]:
-                    raise RuntimeError(
-                        f"{attr} of {type(module).__name__}: this rank holds {local.shape[0]} rows, torch.chunk "
-                        f"says {source.rows[gather.axis.rank]}: the shard layout is not the one this gather assumes"
-                    )
-                locals_.append(local)
             device = gather.axis.device
             send = torch.empty(gather.send_numel, dtype=gather.dtype, device=device)
-            pairs = [
-                (send[s.send_offset : s.send_offset + t.numel()], t.reshape(-1).to(device, non_blocking=True))
-                for s, t in zip(gather.sources, locals_, strict=True)
-                if t.numel()
-            ]
-            if pairs:
-                torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])  # the cast happens here
+            # one split for every source's slot (each reserves ceil(R / n) rows), then a fused cast-and-copy
+            slots = send.split([max(s.rows) * s.row_numel for s in gather.sources])
+            dsts, srcs = [], []
+            for source, slot in zip(gather.sources, slots, strict=True):
+                local = self._local(source, gather.axis)
+                if local.numel():
+                    dsts.append(slot if slot.numel() == local.numel() else slot[: local.numel()])
+                    srcs.append(local.reshape(-1) if local.device == device else local.reshape(-1).to(device))
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)  # the cast happens here
             received = torch.empty(gather.axis.size * gather.send_numel, dtype=gather.dtype, device=device)
             work = _all_gather_flat(received, send, gather.axis.group)
             works.append((gather, work, send, received))
         return Pending(works)
 
+    def _local(self, source: _Source, axis: ShardAxis) -> Tensor:
+        """This rank's shard of `source`, checked against the layout the gather assumes."""
+        k, i = source.key
+        module, attr, _, _ = self.plan[k][i]
+        local = getattr(module, attr).to_local()
+        if local.shape[0] != source.rows[axis.rank]:
+            raise RuntimeError(
+                f"{attr} of {type(module).__name__}: this rank holds {local.shape[0]} rows, torch.chunk says "
+                f"{source.rows[axis.rank]}: the shard layout is not the one this gather assumes"
+            )
+        return local
+
     @torch.no_grad()
     def finish(self, pending: Pending) -> dict[tuple[int, int], Tensor]:
-        """Wait for a chunk's gathers; its whole tensors by plan entry, laid out in one fused copy per gather."""
+        """Wait for a chunk's gathers; its whole tensors by plan entry, laid out in one fused copy per gather.
+
+        `received` holds, rank after rank, every source's slot; where every rank holds the same number of rows of a
+        source (the common case) its slots, seen as [ranks, slot], are the whole tensor seen as [ranks, rows x
+        row]: one copy per source, from views made by two splits. Uneven sources copy rank by rank."""
         out: dict[tuple[int, int], Tensor] = {}
         for gather, work, _, received in pending.works:
             work.wait()
             whole = torch.empty(gather.whole_numel, dtype=gather.dtype, device=received.device)
+            size = gather.axis.size
+            slots = received.view(size, gather.send_numel).split([max(s.rows) * s.row_numel for s in gather.sources], 1)
+            wholes = whole.split([math.prod(s.shape) for s in gather.sources])
             dsts, srcs = [], []
-            for source in gather.sources:
-                n = source.row_numel
+            for source, slot_RS, whole_part in zip(gather.sources, slots, wholes, strict=True):
+                out[source.key] = whole_part.view(source.shape)
+                if min(source.rows) == max(source.rows):
+                    if whole_part.numel():
+                        dsts.append(whole_part.view(size, -1))
+                        srcs.append(slot_RS)
+                    continue
                 row = 0
                 for c, rows in enumerate(source.rows):
                     if rows:
-                        start = c * gather.send_numel + source.send_offset
-                        dsts.append(whole[source.whole_offset + row * n : source.whole_offset + (row + rows) * n])
-                        srcs.append(received[start : start + rows * n])
+                        dsts.append(whole_part[row * source.row_numel : (row + rows) * source.row_numel])
+                        srcs.append(slot_RS[c, : rows * source.row_numel])
                     row += rows
-                numel = math.prod(source.shape)
-                out[source.key] = whole[source.whole_offset : source.whole_offset + numel].view(source.shape)
             if dsts:
                 torch._foreach_copy_(dsts, srcs)
         pending.works.clear()  # the received buffers go before the next chunk's are allocated
