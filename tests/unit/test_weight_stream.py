@@ -191,3 +191,22 @@ def test_each_dtype_has_its_own_ring_of_slots():
     for name, value in values.items():
         want = value if name.endswith("bias") else value.bfloat16()
         assert torch.equal(got[name], want), name
+
+
+def test_unpack_gives_shaped_views_of_the_buffer_and_refuses_a_wrong_size():
+    """A bucket's tensors are views of its flat bytes, in plan order and shape (zero-size tensors included); a buffer
+    of another size than the plan says is refused."""
+    from slipstream.transport.weight_stream import Bucket
+
+    tensors = {"w": torch.randn(3, 4), "empty": torch.empty(0, 5), "b": torch.randn(7), "s": torch.randn(())}
+    bucket = Bucket("float32", tuple(TensorMeta.of(n, t) for n, t in tensors.items()))
+    flat = torch.cat([t.reshape(-1) for t in tensors.values()]).view(torch.uint8)
+    views = unpack(flat, bucket)
+    assert [n for n, _ in views] == list(tensors)
+    for (name, view), want in zip(views, tensors.values(), strict=True):
+        assert view.shape == want.shape and view.dtype == torch.float32 and torch.equal(view, want), name
+    views[0][1].fill_(1.0)  # a view: writes reach the buffer
+    assert torch.equal(flat[:48].view(torch.float32), torch.ones(12))
+    with pytest.raises(ValueError, match="bucket of 4 bytes but its tensors take"):
+        unpack(flat[:4], bucket)
+    assert unpack(torch.empty(0, dtype=torch.uint8), Bucket("bfloat16", ())) == []

@@ -10,6 +10,7 @@ has been gathered while later layers are still being gathered.
 
 import functools
 import json
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,16 +143,17 @@ def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> list[Bucket]
 
 
 def unpack(flat: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
-    """Views into `flat` (uint8) for each tensor of `bucket`."""
-    out, offset = [], 0
-    for meta in bucket.tensors:
-        size = meta.nbytes
-        tensor = flat[offset : offset + size].view(getattr(torch, meta.dtype)).view(meta.shape)
-        out.append((meta.name, tensor))
-        offset += size
-    if offset != flat.numel():
-        raise ValueError(f"bucket of {flat.numel()} bytes but its tensors take {offset}")
-    return out
+    """Views into `flat` (uint8) for each tensor of `bucket`: one split of the buffer seen in the bucket's dtype, then
+    a shaped view per tensor (a slice per tensor cost ~15 us of host time each: 45 ms for a MoE layer stack's 3,147
+    tensors on a slow CPU, on the receiving side of every version)."""
+    nbytes = bucket.nbytes
+    if nbytes != flat.numel():
+        raise ValueError(f"bucket of {flat.numel()} bytes but its tensors take {nbytes}")
+    if not bucket.tensors:
+        return []
+    typed = flat.view(getattr(torch, bucket.dtype))
+    pieces = typed.split([math.prod(meta.shape) for meta in bucket.tensors])
+    return [(meta.name, piece.view(meta.shape)) for meta, piece in zip(bucket.tensors, pieces, strict=True)]
 
 
 class BucketSink(Protocol):
