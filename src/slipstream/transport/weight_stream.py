@@ -30,12 +30,9 @@ class TensorMeta:
     dtype: str
     shape: tuple[int, ...]
 
-    @property
-    def nbytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * element_size(self.dtype)
+    @functools.cached_property
+    def nbytes(self) -> int:  # cached: the stream asks for it per tensor, several times per version
+        return math.prod(self.shape) * element_size(self.dtype)
 
     @staticmethod
     def of(name: str, tensor: torch.Tensor) -> "TensorMeta":
@@ -59,7 +56,7 @@ class Bucket:
     dtype: str
     tensors: tuple[TensorMeta, ...]
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
