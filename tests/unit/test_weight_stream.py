@@ -210,3 +210,26 @@ def test_unpack_gives_shaped_views_of_the_buffer_and_refuses_a_wrong_size():
     with pytest.raises(ValueError, match="bucket of 4 bytes but its tensors take"):
         unpack(flat[:4], bucket)
     assert unpack(torch.empty(0, dtype=torch.uint8), Bucket("bfloat16", ())) == []
+
+
+def test_a_plan_parsed_before_is_reused_only_when_it_is_the_same():
+    """Receivers parse every version's manifest; the same plan (the usual case) is taken from the last parse, with
+    the new step; a plan that differs in any name, shape or dtype is parsed and validated anew."""
+    import json
+
+    metas = [_meta(f"w{i}", "bfloat16", 4, i + 1) for i in range(50)] + [_meta("n", "float32", 3)]
+    plan = tuple(plan_buckets(metas, bucket_bytes=256))
+    first = Manifest.from_dict(json.loads(Manifest(1, plan).to_json()))
+    again = Manifest.from_dict(json.loads(Manifest(2, plan).to_json()))
+    assert again == Manifest(2, plan) and first == Manifest(1, plan)
+    assert again.buckets is first.buckets  # reused, not re-parsed
+    changed = json.loads(Manifest(3, plan).to_json())
+    changed["buckets"][0]["tensors"][1][1] = [4, 9]  # one shape differs
+    parsed = Manifest.from_dict(changed)
+    assert parsed.buckets is not first.buckets and parsed.buckets[0].tensors[1].shape == (4, 9)
+    bad = json.loads(Manifest(4, plan).to_json())
+    bad["buckets"][0]["tensors"][0][1] = [4, -1]
+    with pytest.raises(ValueError, match=r"buckets\[0\]\.tensors\[0\]"):
+        Manifest.from_dict(bad)
+    with pytest.raises(ValueError, match="'step'"):
+        Manifest.from_dict(json.loads(Manifest(2, plan).to_json()) | {"step": -1})

