@@ -1,4 +1,4 @@
-"""The single-process pieces of expert and context parallelism: the dispatch permutation, the token ownership of
+"""The single-process pieces of expert and context parallelism: the ranks' partial expert mixtures, the token ownership of
 context-parallel shards, the shard's attention mask, the loss split over owned tokens, and the errors that say which
 trainer.parallel field to change."""
 
@@ -7,25 +7,52 @@ import torch
 
 from slipstream.config.trainer import LossConfig
 from slipstream.models.common.attention import ContextShard, build_packed_causal_mask, build_shard_causal_mask
+from slipstream.models.common.moe import GroupedExperts, mix_experts, mix_local_experts
 from slipstream.models.registry import load_pretrained
 from slipstream.parallel.cp import owned_tokens, shard_size
-from slipstream.parallel.ep import expert_major_order, inverse_permutation
 from slipstream.parallel.mesh import ParallelDims
 from slipstream.trainer.loss import rl_loss
 from slipstream.trainer.setup import check_parallel_fits_model
 
 
-def test_expert_major_order_groups_each_local_expert_across_source_ranks():
-    # Received from 2 source ranks for 3 local experts: rows (p, e) segments p-major.
-    counts_PE = torch.tensor([[2, 0, 1], [1, 3, 0]])
-    labels_R = [f"p{p}e{e}#{i}" for p in range(2) for e in range(3) for i in range(int(counts_PE[p, e]))]
-    perm_R = expert_major_order(counts_PE)
-    assert [labels_R[i] for i in perm_R] == [
-        "p0e0#0", "p0e0#1", "p1e0#0", "p1e1#0", "p1e1#1", "p1e1#2", "p0e2#0",
-    ]  # fmt: skip
-    inverse_R = inverse_permutation(perm_R)
-    assert torch.equal(perm_R[inverse_R], torch.arange(7)) and torch.equal(inverse_R[perm_R], torch.arange(7))
-    assert expert_major_order(torch.zeros(2, 3, dtype=torch.long)).numel() == 0
+@pytest.mark.parametrize(("grouped", "dtype", "tol"), [(False, torch.float64, 1e-12), (True, torch.float32, 1e-5)])
+def test_ranks_partial_expert_sums_add_up_to_the_whole_mixture(grouped, dtype, tol):
+    """What expert parallelism's receivers compute: each rank mixes only its own experts' slots of the rows it got
+    (other slots marked -1, weight 0); the ranks' float32 partial sums add up to the one-process mixture, values
+    and gradients (x, gate weights, every expert's weights), including tokens none of whose experts a rank holds."""
+    torch.manual_seed(0)
+    num_experts, top_k, num_tokens, dim, hidden, num_ranks = 8, 3, 11, 8, 4, 2  # 16-byte strides: grouped_mm
+    num_local = num_experts // num_ranks
+    whole = GroupedExperts(dim, hidden, num_experts, use_grouped_mm=grouped).to(dtype)
+    whole.init_weights(0.3)
+    ids_NA = torch.rand(num_tokens, num_experts).argsort(dim=-1)[:, :top_k]
+    ids_NA[0] = torch.tensor([0, 1, 2])  # every expert of token 0 on rank 0: rank 1 sees it fully masked
+    x_ND = torch.randn(num_tokens, dim, dtype=dtype, requires_grad=True)
+    weights_NA = torch.rand(num_tokens, top_k, dtype=dtype, requires_grad=True)
+    upstream_ND = torch.randn(num_tokens, dim, dtype=dtype)
+
+    (mix_experts(whole, x_ND, ids_NA, weights_NA) * upstream_ND).sum().backward()
+    want = [x_ND.grad.clone(), weights_NA.grad.clone()] + [p.grad.clone() for p in whole.parameters()]
+    want_y = mix_experts(whole, x_ND, ids_NA, weights_NA).detach()
+    x_ND.grad, weights_NA.grad = None, None
+
+    parts, total = [], 0
+    for rank in range(num_ranks):
+        part = GroupedExperts(dim, hidden, num_local, use_grouped_mm=grouped).to(dtype)
+        for name, param in part.named_parameters():
+            param.data.copy_(getattr(whole, name).data[rank * num_local : (rank + 1) * num_local])
+        mine_NA = ids_NA // num_local == rank
+        local_NA = torch.where(mine_NA, ids_NA - rank * num_local, -1)
+        weights = torch.where(mine_NA, weights_NA, torch.zeros_like(weights_NA))
+        total = total + mix_local_experts(part, x_ND, local_NA, weights, num_local, dtype)
+        parts.append(part)
+    torch.testing.assert_close(total.to(dtype), want_y, rtol=tol, atol=tol)
+    (total * upstream_ND).sum().backward()
+    got = [x_ND.grad, weights_NA.grad] + [
+        torch.cat([getattr(part, name).grad for part in parts]) for name, _ in whole.named_parameters()
+    ]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize(("num_tokens", "num_ranks"), [(12, 2), (13, 2), (7, 4), (3, 4)])

@@ -281,7 +281,7 @@ def test_dispatch_and_unsort_rows_backward_gathers_what_indexing_scatters():
     """MoE's row movement (dispatch by token, unsort back to (token, slot) order) has hand-written backwards that
     gather instead of scatter-adding: the same gradients as plain indexing's autograd, and bit-identical from one
     run to the next."""
-    from slipstream.models.common.moe import dispatch_rows, inverse_permutation, unsort_rows
+    from slipstream.models.common.moe import dispatch_rows, inverse_permutation, permute_rows, unsort_rows
 
     _, ids_NA = _routed(37, seed=5)
     order_M, token_M, _ = sort_by_expert(ids_NA, NUM_EXPERTS)
@@ -304,6 +304,10 @@ def test_dispatch_and_unsort_rows_backward_gathers_what_indexing_scatters():
     torch.testing.assert_close(grad_fast, grad_plain, rtol=1e-12, atol=1e-12)
     assert torch.equal(moved(True)[1], grad_fast)
     assert torch.autograd.gradcheck(lambda x: dispatch_rows(x, token_M, inverse_M), (x_ND,))
+    # the general permutation (what expert parallelism's expert-major reorder uses), both ways round
+    rows_MD = upstream_MD.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda y: permute_rows(y, order_M, inverse_M), (rows_MD,))
+    assert torch.autograd.gradcheck(lambda y: permute_rows(y, inverse_M, order_M), (rows_MD,))
 
 
 def test_compiled_bf16_moment_update_matches_eager():

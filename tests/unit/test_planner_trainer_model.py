@@ -35,13 +35,13 @@ HELD_OUT = [
     Measured("30B-A3B 4l 8x2048, H100", MOE4, "h100", one("keep_attention"), 16384, 2048, 72319),
     Measured("30B-A3B 4l 1x16384 bf16 moments, H200", MOE4, "h200", one("keep_attention", 4), 16384, 16384, 62894),
     Measured(
-        "30B-A3B 8l 1x16384/GPU, 2xH200 FSDP2 x EP2",
+        "30B-A3B 8l 1x16384/GPU, 2xH200 FSDP2 x EP2 (token dispatch, 2026-11-27)",
         MOE8,
         "h200",
         TrainerShape(num_gpus=2, ep=2, checkpointing="keep_attention"),
         16384,
         16384,
-        27150,
+        37878,
     ),
 ]
 

@@ -3,7 +3,10 @@
 - full: the block keeps only its input; backward recomputes its whole forward, attention included;
 - keep_attention (the default): as full, but each attention kernel's outputs (the attention output and its
   log-sum-exp, T x H x K x 2 bytes and T x H x 4 bytes per block) are saved, so backward reruns everything except
-  the attention kernel, the most expensive op to recompute. Measured on an H100 (benchmarks/RESULTS.md).
+  the attention kernel, the most expensive op to recompute. Measured on an H100 (benchmarks/RESULTS.md). Under
+  expert parallelism the outputs of the all-to-alls are saved too (parallel/ep.py: per MoE block, the ep x N rows
+  a rank's experts received, in the compute dtype, and the ep x N partial sums it got back, in float32; N = its
+  tokens): the recomputation exchanges nothing between ranks.
 
 Both give the same gradients as no checkpointing (the recomputation is deterministic: no dropout here).
 """
@@ -48,13 +51,24 @@ def attention_ops() -> set:
     return ops
 
 
+def exchange_ops() -> set:
+    """The functional all-to-all that expert parallelism's exchanges run as (parallel/ep.py), as the policy sees it."""
+    ops = set()
+    for namespace in ("_c10d_functional", "_c10d_functional_autograd"):
+        packet = getattr(getattr(torch.ops, namespace), "all_to_all_single", None)
+        if packet is not None:
+            ops.add(packet.default)
+    return ops
+
+
 def _keep_attention_policy(ops: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def keep_attention_context():
-    """The selective-checkpoint contexts that save the attention kernels' outputs and recompute the rest."""
-    return create_selective_checkpoint_contexts(partial(_keep_attention_policy, attention_ops()))
+    """The selective-checkpoint contexts that save the attention kernels' and the expert all-to-alls' outputs and
+    recompute the rest."""
+    return create_selective_checkpoint_contexts(partial(_keep_attention_policy, attention_ops() | exchange_ops()))
 
 
 def _ignore_profiler_ops() -> None:

@@ -1,112 +1,117 @@
-"""Expert parallelism (EP), applied from outside to stacked-experts modules (`forward(x_MD, counts_E) -> y_MD`, rows
-sorted by expert, weights [E, ...]): each of the P ranks of the ep mesh keeps E / P experts (weights become DTensors
-sharded on dim 0) and hooks around the module's forward send every routed row to the rank of its expert and bring
-the results back.
+"""Expert parallelism (EP), applied from outside to stacked-experts modules (GroupedExperts: weights [E, ...]): each of
+the P ranks of the ep mesh keeps E / P experts (weights become DTensors sharded on dim 0) and the module gets a
+`token_dispatch` (TokenDispatch below), which `models.common.moe.mix_experts` calls instead of mixing locally.
 
-Dispatch, per MoE layer: (1) an equal-size all_to_all_single of the per-expert row counts, (2) an all_to_all_single
-of the rows with split sizes from those counts (gloo and NCCL both take unequal splits: no padding), (3) a
-permutation from the received (source rank, expert) order to (expert, source rank) order, so each local expert's
-rows are contiguous. Combine undoes (3) and (2). The row exchanges are autograd Functions whose backward is the
-all-to-all with the split sizes swapped, so gradients reach the router and the inputs; each expert's weight gradient
-sums over the rows of every rank of its ep group (FSDP then sums over the other ranks: parallel/fsdp.py).
+Token dispatch, per MoE layer, with static shapes: every rank sends each of its N tokens once to every rank of the
+group (not once per routed expert), with the token's expert ids renumbered for that rank (-1 for the slots whose
+expert lives elsewhere) and its gate weights (0 there). The receiving rank runs its experts on the rows
+(`mix_local_experts`: masked slots are sorted last and not computed) and sends back, per row, the weighted sum over
+its own experts in float32; the sender adds the P partial sums of each token in rank order and rounds once to the
+output dtype. Nothing is read on the host, so a compiled, checkpointed block traces whole (a device-to-host read
+of split sizes is a graph break, and a graph break inside an activation-checkpointed block runs that whole block
+eagerly: what the earlier per-(token, expert) exchange did). The exchange moves P x N rows per rank each way;
+with top-k routing that is no more than a per-(token, expert) exchange (N x k rows) while ep <= k, the single-node
+case, and up to ep / k times more beyond it.
 
-Legend: M = routed rows of this rank (sorted by global expert), R = rows this rank's experts receive, P = ep ranks,
-E = experts, e = local experts (E / P), D = hidden size.
+The exchanges are torch's functional collectives (`_c10d_functional.all_to_all_single`, equal splits; rows,
+weights and partial sums are differentiable: backward is the reverse all-to-all, so gradients reach the router and
+the inputs; each expert's weight gradient sums over the rows of every rank of its ep group, FSDP then sums over the
+other ranks: parallel/fsdp.py). Being ops, not calls on a process group, they are what selective activation
+checkpointing can save (parallel/ac.py keeps their outputs: a recomputed block exchanges nothing) and what
+torch.compile traces.
+
+Legend: N = tokens of this rank, A = active experts per token, P = ep ranks, e = local experts (E / P), D = hidden
+size, R = P x N rows received.
 """
 
+import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single of rows (dim 0) with split sizes; backward sends the gradients back the same way."""
-
-    @staticmethod
-    def forward(ctx, x_MD: Tensor, output_splits: list[int], input_splits: list[int], group) -> Tensor:
-        ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
-        y_RD = x_MD.new_empty((sum(output_splits), *x_MD.shape[1:]))
-        dist.all_to_all_single(y_RD, x_MD.contiguous(), output_splits, input_splits, group=group)
-        return y_RD
-
-    @staticmethod
-    def backward(ctx, grad_y_RD: Tensor):
-        grad_x_MD = grad_y_RD.new_empty((sum(ctx.input_splits), *grad_y_RD.shape[1:]))
-        dist.all_to_all_single(grad_x_MD, grad_y_RD.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group)
-        return grad_x_MD, None, None, None
+from slipstream.models.common.moe import mix_local_experts
 
 
-def all_to_all(x_MD: Tensor, output_splits: list[int], input_splits: list[int], group) -> Tensor:
-    """Rows x_MD[sum(input_splits[:p]) : ...] go to rank p of `group`; returns the rows received, rank by rank."""
-    return _AllToAll.apply(x_MD, output_splits, input_splits, group)
+def all_to_all(x_KD: Tensor, group) -> Tensor:
+    """Block p of x_KD's P equal row blocks goes to rank p of `group`; returns the blocks received, rank by rank
+    (differentiable; eagerly an AsyncCollectiveTensor: the first op that reads it waits for the exchange)."""
+    return funcol.all_to_all_single_autograd(x_KD.contiguous(), None, None, group)
 
 
-def expert_major_order(counts_PE: Tensor, num_rows: int | None = None) -> Tensor:
-    """perm_R with x_expert_major_R = x_received_R[perm_R].
+class Capacity:
+    """Rows per rank and destination of the current forward's exchanges: the largest token count N of the ep group,
+    agreed by one all-reduce (read on the host) per forward; each rank pads its N tokens to it."""
 
-    Received rows come in (source rank p, local expert e) segments, p-major: counts_PE[p, e] rows each. perm_R lists
-    the same rows e-major (expert 0's rows from ranks 0..P-1, then expert 1's, ...), keeping order within a segment.
-    `num_rows` (R = counts_PE.sum(), when the caller knows it) spares a device-to-host sync on GPUs.
-    """
-    num_ranks, num_local = counts_PE.shape
-    counts_flat = counts_PE.flatten()
-    starts_PE = (counts_flat.cumsum(0) - counts_flat).view(num_ranks, num_local)
-    starts_S, counts_S = starts_PE.T.flatten(), counts_PE.T.flatten()  # S = segments in expert-major order
-    segments_S = torch.arange(counts_S.numel(), device=counts_S.device)
-    segment_R = torch.repeat_interleave(segments_S, counts_S, output_size=num_rows)
-    first_S = counts_S.cumsum(0) - counts_S
-    within_R = torch.arange(segment_R.numel(), device=counts_S.device) - first_S[segment_R]
-    return starts_S[segment_R] + within_R
+    def __init__(self, mesh: DeviceMesh):
+        self.group = mesh.get_group()
+        self.rows_R0: Tensor | None = None
+        """An empty [rows, 0] tensor: the agreed rows travel as its size, which torch.compile treats as a dynamic
+        size after the first change (a Python int would be a constant: one recompilation per value). Set for the
+        current forward (kept for its recomputation in backward); None: agree at the next exchange."""
 
+    def agree(self, num_tokens: int, device: torch.device) -> int:
+        largest = torch.tensor([num_tokens], device=device)
+        return int(funcol.wait_tensor(funcol.all_reduce(largest, "max", self.group)).item())
 
-def inverse_permutation(perm_R: Tensor) -> Tensor:
-    inverse_R = torch.empty_like(perm_R)
-    inverse_R[perm_R] = torch.arange(perm_R.numel(), device=perm_R.device)
-    return inverse_R
+    def clear(self, *_args) -> None:
+        """Root forward pre-hook: a new forward agrees anew."""
+        self.rows_R0 = None
 
-
-@dataclass
-class _Route:
-    """How one forward's rows travelled: what combine needs to bring the results back."""
-
-    input_splits: list[int]
-    output_splits: list[int]
-    inverse_R: Tensor
+    @torch._dynamo.disable
+    def agree_before_block(self, module: nn.Module, args: tuple) -> None:
+        """Forward pre-hook of each MoE block (outside its compiled, checkpointed body: the host read would break
+        that graph): the first block of a forward agrees for all of them."""
+        if self.rows_R0 is None:
+            x_BTD = args[0]
+            self.rows_R0 = x_BTD.new_empty(self.agree(x_BTD.shape[:-1].numel(), x_BTD.device), 0)
 
 
-class ExpertParallel:
-    """The dispatch / combine hooks of one stacked-experts module over an ep mesh."""
+class TokenDispatch:
+    """`experts.token_dispatch` under expert parallelism: mix_experts across the ranks of one ep group."""
 
-    def __init__(self, mesh: DeviceMesh, num_experts: int):
+    def __init__(self, mesh: DeviceMesh, num_experts: int, capacity: Capacity):
         self.group = mesh.get_group()
         self.num_ranks = mesh.size()
         self.num_local = num_experts // self.num_ranks
-        self._route: _Route | None = None
+        self.capacity = capacity
+        self.compute_dtype: torch.dtype | None = None
+        """Set when no FSDP unit casts the experts' weights (parallel/fsdp.py): their matmuls then run under autocast
+        to this dtype, as on FSDP's parameters in that dtype (float32: nothing to do)."""
 
-    def dispatch(self, module: nn.Module, args: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        """Forward pre-hook: (x_MD, counts_E) of this rank's routed rows -> (x_RD, counts_e) of its experts' rows."""
-        x_MD, counts_E = args
-        counts_PE = counts_E.view(self.num_ranks, self.num_local)
-        received_PE = torch.empty_like(counts_PE)
-        dist.all_to_all_single(received_PE, counts_PE.contiguous(), group=self.group)
-        # One device-to-host sync for both split lists (the row exchange needs them on the host).
-        input_splits, output_splits = torch.stack([counts_PE.sum(1), received_PE.sum(1)]).tolist()
-        x_RD = all_to_all(x_MD, output_splits, input_splits, self.group)
-        perm_R = expert_major_order(received_PE, num_rows=sum(output_splits))
-        # A recomputation under activation checkpointing may stop between dispatch and combine (early stop): the
-        # next dispatch then replaces its route, which nothing needs any more.
-        self._route = _Route(input_splits, output_splits, inverse_permutation(perm_R))
-        return x_RD[perm_R], received_PE.sum(0)
-
-    def combine(self, module: nn.Module, args: tuple, y_RD: Tensor) -> Tensor:
-        """Forward hook: the experts' outputs, back on the ranks and in the order their rows came from."""
-        route, self._route = self._route, None
-        return all_to_all(y_RD[route.inverse_R], route.input_splits, route.output_splits, self.group)
+    def __call__(
+        self, experts: nn.Module, x_ND: Tensor, expert_ids_NA: Tensor, weights_NA: Tensor, dtype: torch.dtype
+    ) -> Tensor:
+        num_ranks, num_local = self.num_ranks, self.num_local
+        num_tokens, top_k = expert_ids_NA.shape
+        # Without the block hooks (a bare MoE module) every exchange agrees on its own: the same on every rank.
+        agreed_R0 = self.capacity.rows_R0
+        rows = self.capacity.agree(num_tokens, x_ND.device) if agreed_R0 is None else agreed_R0.shape[0]
+        if rows < num_tokens:
+            raise RuntimeError(f"expert parallelism: {num_tokens} tokens for an exchange agreed at {rows} rows")
+        pad = rows - num_tokens  # padding tokens route nowhere (no slot of theirs is any rank's)
+        ids_CA = F.pad(expert_ids_NA, (0, 0, 0, pad), value=-1)
+        first_P11 = (torch.arange(num_ranks, device=x_ND.device) * num_local).view(num_ranks, 1, 1)
+        mine_PCA = (ids_CA.unsqueeze(0) >= first_P11) & (ids_CA.unsqueeze(0) < first_P11 + num_local)
+        local_PCA = torch.where(mine_PCA, ids_CA.unsqueeze(0) - first_P11, -1)
+        weights_CA = F.pad(weights_NA, (0, 0, 0, pad))
+        weights_PCA = torch.where(mine_PCA, weights_CA.unsqueeze(0), torch.zeros_like(weights_CA).unsqueeze(0))
+        x_PCD = F.pad(x_ND, (0, 0, 0, pad)).unsqueeze(0).expand(num_ranks, rows, x_ND.shape[-1])
+        x_RD = all_to_all(x_PCD.reshape(num_ranks * rows, -1), self.group)
+        local_RA = funcol.wait_tensor(
+            funcol.all_to_all_single(local_PCA.reshape(-1, top_k).contiguous(), None, None, self.group)
+        )
+        weights_RA = all_to_all(weights_PCA.reshape(-1, top_k), self.group)
+        cast = self.compute_dtype not in (None, torch.float32)
+        with torch.autocast(x_ND.device.type, dtype=self.compute_dtype) if cast else contextlib.nullcontext():
+            y_RD = mix_local_experts(experts, x_RD, local_RA, weights_RA, num_local, x_ND.dtype)
+        # Each token's partial sums, rank by rank, added in float32 in rank order.
+        y_PCD = all_to_all(y_RD, self.group).view(num_ranks, rows, -1)
+        return y_PCD.sum(dim=0)[:num_tokens].to(dtype)
 
 
 def shard_experts(module: nn.Module, mesh: DeviceMesh) -> None:
@@ -121,9 +126,11 @@ def shard_experts(module: nn.Module, mesh: DeviceMesh) -> None:
         module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
-def apply_expert_parallel(experts: Sequence[nn.Module], mesh: DeviceMesh) -> None:
-    """Shard every stacked-experts module of `experts` over `mesh` and route its rows there (all-to-all hooks)."""
+def apply_expert_parallel(experts: Sequence[nn.Module], mesh: DeviceMesh) -> Capacity:
+    """Shard every stacked-experts module of `experts` over `mesh` and mix its experts across the ranks
+    (TokenDispatch). Returns their shared Capacity: `install_capacity_hooks` makes it agree once per forward."""
     num_ranks = mesh.size()
+    capacity = Capacity(mesh)
     for module in experts:
         num_experts = module.num_experts
         if num_experts % num_ranks != 0:
@@ -132,6 +139,15 @@ def apply_expert_parallel(experts: Sequence[nn.Module], mesh: DeviceMesh) -> Non
                 "layer; pick an ep that divides it"
             )
         shard_experts(module, mesh)
-        ep = ExpertParallel(mesh, num_experts)
-        module.register_forward_pre_hook(ep.dispatch)
-        module.register_forward_hook(ep.combine)
+        module.token_dispatch = TokenDispatch(mesh, num_experts, capacity)
+    return capacity
+
+
+def install_capacity_hooks(capacity: Capacity, root: nn.Module, blocks: Sequence[nn.Module]) -> None:
+    """Agree on the exchanges' rows once per forward of `root`: cleared by a pre-hook of `root`, agreed by a pre-hook of
+    the outermost module of each block (`blocks`: as wrapped for checkpointing, the modules that get compiled) that
+    holds an expert-parallel experts module."""
+    root.register_forward_pre_hook(capacity.clear)
+    for block in blocks:
+        if any(getattr(m, "token_dispatch", None) is not None for m in block.modules()):
+            block.register_forward_pre_hook(capacity.agree_before_block)

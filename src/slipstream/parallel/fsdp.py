@@ -15,7 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from slipstream.config.trainer import ParallelConfig
 from slipstream.parallel.ac import checkpoint_block
-from slipstream.parallel.ep import apply_expert_parallel
+from slipstream.parallel.ep import apply_expert_parallel, install_capacity_hooks
 from slipstream.parallel.mesh import TrainerMesh
 
 
@@ -95,10 +95,11 @@ def parallelize_model(
     block's parameters are copied to the GPU for its forward and backward). `extra_blocks` (a trained vision
     encoder's blocks) become FSDP units of their own, ahead of the transformer blocks."""
     expert_parallel = mesh is not None and mesh.ep is not None
-    if expert_parallel:
-        apply_expert_parallel(experts, mesh.ep)
+    capacity = apply_expert_parallel(experts, mesh.ep) if expert_parallel else None
     if config.activation_checkpointing:
         apply_activation_checkpointing(model, config.activation_checkpointing_keep_attention)
+    if capacity is not None:
+        install_capacity_hooks(capacity, model, find_blocks(model))
     if compile:
         apply_compile(model)
     if mesh is None:
@@ -106,6 +107,16 @@ def parallelize_model(
     policy = build_mp_policy(compute_dtype, mesh.device_type)
     shard = dict(mp_policy=policy, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     sharded_experts = {id(m) for m in experts} if expert_parallel else set()
+    if expert_parallel and mesh.expert_fsdp.size() == 1 and not cpu_offload:
+        # EP alone shards the experts (no other rank holds the same ones): an FSDP unit of theirs would have nothing
+        # to gather or reduce, and its hooks, inside the block, are a graph break that runs a compiled,
+        # checkpointed block eagerly. FSDP leaves them alone; their matmuls run in FSDP's parameter dtype
+        # (parallel/ep.py: TokenDispatch.compute_dtype) and their float32 gradients are already summed over the
+        # ep group by the all-to-all's backward.
+        shard["ignored_params"] = {param for module in experts for param in module.parameters()}
+        for module in experts:
+            module.token_dispatch.compute_dtype = policy.param_dtype
+        sharded_experts = set()
     for block in extra_blocks:
         fully_shard(block, mesh=mesh.fsdp, **shard)
     blocks = find_blocks(model)

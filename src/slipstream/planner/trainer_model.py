@@ -134,8 +134,11 @@ def predict_step(
         fsdp = traffic / _link(gpu, t.num_gpus, t.gpus_per_node, cal)
     a2a = 0.0
     if t.ep > 1 and shape.num_moe_layers:
-        passes = 6 if t.checkpointing != "none" else 4  # dispatch + combine: forward, backward (+ recompute)
-        per_token = shape.top_k * shape.hidden * 2 * passes * shape.num_moe_layers * (t.ep - 1) / t.ep
+        # parallel/ep.py: each token goes once to every other rank of its ep group (bf16 row) and its float32 partial
+        # sum comes back; backward sends both gradients back; a full recomputation repeats the forward's exchanges
+        # (keep_attention saves their outputs).
+        passes = 3 if t.checkpointing == "full" else 2
+        per_token = shape.hidden * (2 + 4) * passes * shape.num_moe_layers * (t.ep - 1)
         a2a = tokens * per_token / _link(gpu, t.ep, t.gpus_per_node, cal)
     cp = 0.0
     if t.cp > 1:

@@ -263,7 +263,9 @@ def fp8_expert_linear(x_MI: Tensor, w_EOI: Tensor, counts_E: Tensor) -> Tensor:
 
 class Fp8GroupedExperts(GroupedExperts):
     """GroupedExperts whose three projections run `fp8_expert_linear` (swapped in by class: same parameters, keys
-    and expert-parallel hooks); `use_grouped_mm` is ignored, the FP8 path always loops over the experts."""
+    and expert-parallel dispatch); `use_grouped_mm` is ignored, the FP8 path always loops over the experts."""
+
+    exact_rows = True
 
     def forward(self, x_MD: Tensor, counts_E: Tensor) -> Tensor:
         gate_EFD, up_EFD, down_EDF = (_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))

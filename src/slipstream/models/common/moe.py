@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 
 class TopKRouter(nn.Module):
@@ -76,6 +77,12 @@ class GroupedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
 
+    @property
+    def exact_rows(self) -> bool:
+        """Whether forward needs exactly sum(counts_E) rows: the per-expert loop splits them on the host. The grouped
+        path also takes more (rows past the last expert's are left uncomputed: expert parallelism masks them)."""
+        return not self.use_grouped_mm
+
     def forward(self, x_MD: Tensor, counts_E: Tensor) -> Tensor:
         """y_MD: row m through the SwiGLU of the expert it is sorted under."""
         weights = tuple(_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
@@ -116,9 +123,10 @@ def grouped_mm_dtype(device_type: str, weight_dtype: torch.dtype) -> torch.dtype
 
 
 def _local(weight: Tensor) -> Tensor:
-    """This rank's part of a weight sharded from outside (a DTensor, duck-typed: model code does not import
-    torch.distributed); the weight itself otherwise."""
-    return weight.to_local() if hasattr(weight, "to_local") else weight
+    """This rank's part of a weight sharded from outside (a DTensor); the weight itself otherwise. An isinstance
+    check, not duck typing: under torch.compile `hasattr(parameter, "to_local")` is False for a DTensor parameter
+    (measured, torch 2.13), and the DTensor would reach the grouped GEMM."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def sort_by_expert(expert_ids_NA: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -153,19 +161,19 @@ class _DispatchRows(torch.autograd.Function):
         return grad_NAD.sum(dim=1), None, None
 
 
-class _UnsortRows(torch.autograd.Function):
-    """y_PD = y_MD[inverse_M]: the sorted rows back in (token, slot) pair order; its backward is the gather
-    grad_MD = grad_PD[order_M] (a permutation's inverse), not a scatter."""
+class _PermuteRows(torch.autograd.Function):
+    """y = x[perm] for a permutation `perm` of x's rows whose inverse is known; its backward is the gather
+    grad_x = grad_y[inverse] (a permutation's inverse), not autograd's scatter-add of an indexing."""
 
     @staticmethod
-    def forward(ctx, y_MD: Tensor, inverse_M: Tensor, order_M: Tensor) -> Tensor:
-        ctx.save_for_backward(order_M)
-        return y_MD[inverse_M]
+    def forward(ctx, x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return x[perm]
 
     @staticmethod
-    def backward(ctx, grad_PD: Tensor):
-        (order_M,) = ctx.saved_tensors
-        return grad_PD[order_M], None, None
+    def backward(ctx, grad_y: Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad_y[inverse], None, None
 
 
 def dispatch_rows(x_ND: Tensor, token_M: Tensor, inverse_M: Tensor) -> Tensor:
@@ -173,9 +181,15 @@ def dispatch_rows(x_ND: Tensor, token_M: Tensor, inverse_M: Tensor) -> Tensor:
     return _DispatchRows.apply(x_ND, token_M, inverse_M)
 
 
+def permute_rows(x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
+    """x[perm] with a gather for backward (see _PermuteRows); `inverse` is perm's inverse permutation."""
+    return _PermuteRows.apply(x, perm, inverse)
+
+
 def unsort_rows(y_MD: Tensor, inverse_M: Tensor, order_M: Tensor) -> Tensor:
-    """y_MD[inverse_M] with a gather for backward (see _UnsortRows)."""
-    return _UnsortRows.apply(y_MD, inverse_M, order_M)
+    """y_PD = y_MD[inverse_M]: the expert-sorted rows back in (token, slot) pair order (backward: a gather by
+    order_M)."""
+    return permute_rows(y_MD, inverse_M, order_M)
 
 
 def count_per_expert(expert_ids_NA: Tensor, num_experts: int) -> Tensor:
@@ -184,6 +198,56 @@ def count_per_expert(expert_ids_NA: Tensor, num_experts: int) -> Tensor:
     ids_M = expert_ids_NA.reshape(-1)
     ones_M = torch.ones_like(ids_M, dtype=torch.int64)
     return ids_M.new_zeros(num_experts, dtype=torch.int64).scatter_add_(0, ids_M, ones_M)
+
+
+def mix_experts(experts: nn.Module, x_ND: Tensor, expert_ids_NA: Tensor, weights_NA: Tensor, dtype=None) -> Tensor:
+    """y_ND = sum over a token's A slots of weights_NA * expert_{expert_ids_NA}(x_n), in `dtype` (x's by default):
+    each expert's rows gathered contiguous for `experts` (a GroupedExperts), brought back and weighted.
+
+    Expert parallelism (parallel/ep.py) sets `experts.token_dispatch`, which then runs this across the ranks of the
+    ep group instead (each token sent once to each rank holding one of its experts)."""
+    dtype = x_ND.dtype if dtype is None else dtype
+    token_dispatch = getattr(experts, "token_dispatch", None)
+    if token_dispatch is not None:
+        return token_dispatch(experts, x_ND, expert_ids_NA, weights_NA, dtype)
+    order_M, token_M, counts_E = sort_by_expert(expert_ids_NA, experts.num_experts)
+    inverse_M = inverse_permutation(order_M)
+    y_MD = experts(dispatch_rows(x_ND, token_M, inverse_M), counts_E)
+    # Back in (token, slot) order, weighted and summed over a token's A experts in `dtype` (under autocast the
+    # expert matmuls return bf16 while x, from the float32 residual stream, stays float32).
+    y_NAD = unsort_rows(y_MD, inverse_M, order_M).view(*expert_ids_NA.shape, -1)
+    return (y_NAD.to(dtype) * weights_NA.unsqueeze(-1).to(dtype)).sum(dim=1)
+
+
+def mix_local_experts(
+    experts: nn.Module, x_RD: Tensor, local_ids_RA: Tensor, weights_RA: Tensor, num_local: int, dtype
+) -> Tensor:
+    """mix_experts over this rank's experts only, for rows sent by expert parallelism: `local_ids_RA` numbers
+    `experts`' `num_local` experts from 0, and -1 marks a slot whose expert lives on another rank (it contributes
+    nothing; its weight is 0). Returns the partial sums in float32 (float64 for float64 rows): the ranks' partial
+    sums of a token add up to mix_experts' sum, rounded once to `dtype`.
+
+    Shapes stay static (no device-to-host sync, so a compiled block holds it whole): all R x A slots are sorted by
+    expert with the masked ones last, and the grouped GEMMs' offsets end where the masked slots begin; the rows past
+    them are not computed and are zeroed here, values and gradients. Experts that loop on the host
+    (`exact_rows`) get the valid rows only."""
+    num_rows, top_k = local_ids_RA.shape
+    key_K = torch.where(local_ids_RA >= 0, local_ids_RA, num_local).reshape(-1)  # K = R * A slots; masked last
+    order_K = torch.argsort(key_K, stable=True)
+    inverse_K = inverse_permutation(order_K)
+    counts_E = count_per_expert(key_K, num_local + 1)[:num_local]
+    x_KD = dispatch_rows(x_RD, order_K // top_k, inverse_K)
+    if getattr(experts, "exact_rows", False):
+        num_valid = int(counts_E.sum())  # a host sync, as the experts' own loop has
+        y_vD = experts(x_KD[:num_valid], counts_E)
+        y_KD = torch.cat([y_vD, y_vD.new_zeros(x_KD.shape[0] - num_valid, *y_vD.shape[1:])])
+    else:
+        valid_K1 = (torch.arange(key_K.numel(), device=key_K.device) < counts_E.sum()).unsqueeze(-1)
+        y_KD = experts(torch.where(valid_K1, x_KD, 0), counts_E)
+        y_KD = torch.where(valid_K1, y_KD, 0)
+    y_RAD = unsort_rows(y_KD, inverse_K, order_K).view(num_rows, top_k, -1)
+    sum_dtype = torch.promote_types(dtype, torch.float32)
+    return (y_RAD.to(dtype) * weights_RA.unsqueeze(-1).to(dtype)).sum(dim=1, dtype=sum_dtype)
 
 
 class MoE(nn.Module):
@@ -212,14 +276,7 @@ class MoE(nn.Module):
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
         replay_NA = None if replay_BTA is None else replay_BTA.reshape(x_ND.shape[0], -1)
         probs_NE, expert_ids_NA, weights_NA = self.router(x_ND, replay_NA)
-        # y = sum over a token's A experts of weight * expert(x), with each expert's rows contiguous.
-        order_M, token_M, counts_E = sort_by_expert(expert_ids_NA, self.num_experts)
-        inverse_M = inverse_permutation(order_M)
-        y_MD = self.experts(dispatch_rows(x_ND, token_M, inverse_M), counts_E)
-        # Back in (token, slot) order, weighted and summed over a token's A experts in x's dtype (under autocast the
-        # expert matmuls return bf16 while x, from the float32 residual stream, stays float32).
-        y_NAD = unsort_rows(y_MD, inverse_M, order_M).view(*expert_ids_NA.shape, -1)
-        y_ND = (y_NAD.to(x_ND.dtype) * weights_NA.unsqueeze(-1).to(x_ND.dtype)).sum(dim=1)
+        y_ND = mix_experts(self.experts, x_ND, expert_ids_NA, weights_NA)
         return y_ND.view_as(x_BTD), self._load_balance_loss(probs_NE, expert_ids_NA)
 
     def _load_balance_loss(self, probs_NE: Tensor, expert_ids_NA: Tensor) -> Tensor:

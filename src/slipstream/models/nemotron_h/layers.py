@@ -18,11 +18,8 @@ from slipstream.models.common.moe import (
     GroupedExperts,
     MoE,
     _local,
-    dispatch_rows,
     grouped_mm_dtype,
-    inverse_permutation,
-    sort_by_expert,
-    unsort_rows,
+    mix_experts,
 )
 from slipstream.models.common.moe_routing import GroupLimitedSigmoidRouter
 from slipstream.models.common.norm import RMSNorm
@@ -220,11 +217,7 @@ class NemotronHMoE(MoE):
         replay_NA = None if replay_BTA is None else replay_BTA.reshape(x_ND.shape[0], -1)
         probs_NE, expert_ids_NA, weights_NA = self.router(x_ND, replay_NA)
         rows_NL = x_ND if self.fc1_latent_proj is None else self.fc1_latent_proj(x_ND)
-        order_M, token_M, counts_E = sort_by_expert(expert_ids_NA, self.num_experts)
-        inverse_M = inverse_permutation(order_M)
-        y_ML = self.experts(dispatch_rows(rows_NL, token_M, inverse_M), counts_E)
-        y_NAL = unsort_rows(y_ML, inverse_M, order_M).view(*expert_ids_NA.shape, -1)
-        y_NL = (y_NAL.to(x_ND.dtype) * weights_NA.unsqueeze(-1).to(x_ND.dtype)).sum(dim=1)
+        y_NL = mix_experts(self.experts, rows_NL, expert_ids_NA, weights_NA, dtype=x_ND.dtype)
         y_ND = y_NL if self.fc2_latent_proj is None else self.fc2_latent_proj(y_NL)
         y_BTD = y_ND.view_as(x_BTD) + self.shared_experts(x_BTD)
         return y_BTD, self._load_balance_loss(probs_NE, expert_ids_NA)

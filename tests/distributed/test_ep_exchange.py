@@ -1,0 +1,101 @@
+"""Expert parallelism's all-to-alls under activation checkpointing (2 gloo ranks): with keep_attention the
+recomputation exchanges nothing (the exchanges' outputs are saved), with full checkpointing it repeats all four
+exchanges of each MoE block, and all modes give the same values and gradients. The ranks hold different numbers of
+tokens (the exchange pads to the group's largest), agreed per exchange or, with the trainer's hooks, once per
+forward."""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.distributed.helpers import run_ranks
+
+DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 16, 8, 4, 2, 24
+
+
+class _CountExchanges(TorchDispatchMode):
+    """Counts the functional all-to-alls that actually run (a checkpoint's cached outputs never reach it)."""
+
+    def __init__(self, ops: set):
+        super().__init__()
+        self.ops, self.count = ops, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.ops:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Block(nn.Module):
+    def __init__(self, moe: nn.Module):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return x_BTD + self.moe(x_BTD)[0]
+
+
+def _exchanges(out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from slipstream.models.common.moe import MoE
+    from slipstream.parallel.ac import checkpoint_block, exchange_ops
+    from slipstream.parallel.ep import apply_expert_parallel, install_capacity_hooks
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    ops = exchange_ops()
+    results = {}
+    for mode in ("none", "keep_attention", "full", "hooks"):
+        torch.manual_seed(0)  # same weights on both ranks
+        moe = MoE(DIM, HIDDEN, EXPERTS, TOP_K, norm_topk_prob=True)
+        moe.init_weights(0.2)
+        capacity = apply_expert_parallel([moe.experts], mesh)
+        block = _Block(moe)
+        if mode != "none":
+            block = checkpoint_block(block, keep_attention=mode != "full")
+        if mode == "hooks":
+            install_capacity_hooks(capacity, block, [block])
+        num_tokens = TOKENS - 5 * rank
+        x = torch.randn(1, num_tokens, DIM, generator=torch.Generator().manual_seed(rank)).requires_grad_(True)
+        counter = _CountExchanges(ops)
+        with counter:
+            forward = _CountExchanges(ops)
+            with forward:
+                y = block(x)
+            y.pow(2).sum().backward()
+        grads = [x.grad] + [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in moe.parameters()]
+        agreed = None if capacity.rows_R0 is None else capacity.rows_R0.shape[0]
+        results[mode] = {
+            "agreed": agreed,
+            "forward": forward.count,
+            "total": counter.count,
+            "y": y.detach().flatten().tolist(),
+            "grads": [g.flatten().tolist() for g in grads],
+        }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def test_checkpointed_recomputation_repeats_no_exchange_with_keep_attention(tmp_path):
+    run_ranks(2, _exchanges, str(tmp_path))
+    for rank in range(2):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        plain, keep, full, hooks = results["none"], results["keep_attention"], results["full"], results["hooks"]
+        assert plain["agreed"] is None and hooks["agreed"] == TOKENS  # the largest of the two ranks' token counts
+        # forward: the rows, their expert ids, their weights, the partial sums back; backward: the rows, the weights
+        # and the sums reversed
+        assert plain["forward"] == keep["forward"] == full["forward"] == 4, results
+        assert plain["total"] == keep["total"] == hooks["total"] == 7, results
+        assert full["total"] == 11, results  # full checkpointing recomputes all four exchanges
+        for other in (keep, full, hooks):
+            assert other["y"] == plain["y"]
+            for got, want in zip(other["grads"], plain["grads"], strict=True):
+                torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=0)
+    assert os.path.exists(tmp_path / "rank1.json")
