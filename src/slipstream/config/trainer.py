@@ -28,8 +28,10 @@ class ParallelConfig(BaseConfig):
 
     ep: int = Field(1, ge=1)
     """Expert-parallel degree for MoE models run by our implementation (qwen3_moe, model_impl "custom"): each MoE
-    layer's experts are split over ep ranks taken from dp_shard x cp, and tokens travel to their experts'
-    rank and back (all-to-all). Must divide the number of experts, and be a multiple of cp when both are > 1."""
+    layer's experts are split over ep ranks taken from dp_shard x cp, and each token travels once to every rank of
+    its ep group and its partial result back (all-to-all; parallel/ep.py). Best while ep <= the model's top-k (one
+    node): beyond it each rank sends ep / top-k times more than a per-expert exchange would. Must divide the number
+    of experts, and be a multiple of cp when both are > 1."""
 
     cp: int = Field(1, ge=1)
     """Context-parallel degree for our implementation (model_impl "custom"): each packed micro-batch's tokens are
