@@ -99,3 +99,68 @@ def test_checkpointed_recomputation_repeats_no_exchange_with_keep_attention(tmp_
             for got, want in zip(other["grads"], plain["grads"], strict=True):
                 torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=0)
     assert os.path.exists(tmp_path / "rank1.json")
+
+
+class _Stack(nn.Module):
+    """A one-block model as parallel/ compiles it: the blocks in a ModuleList named `layers`."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.layers = nn.ModuleList([block])
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.layers[0](x_BTD)
+
+
+def _compiled(out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from slipstream.models.common.moe import MoE
+    from slipstream.parallel.ac import checkpoint_block
+    from slipstream.parallel.ep import apply_expert_parallel, install_capacity_hooks
+    from slipstream.parallel.fsdp import apply_compile
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    outputs = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        moe = MoE(64, 32, 8, TOP_K, norm_topk_prob=True).to(torch.bfloat16)  # 16-byte rows for the grouped GEMMs
+        moe.init_weights(0.1)
+        capacity = apply_expert_parallel([moe.experts], mesh)
+        stack = _Stack(checkpoint_block(_Block(moe), keep_attention=True))
+        install_capacity_hooks(capacity, stack, stack.layers)
+        if compiled:
+            counters.clear()
+            apply_compile(stack)
+        runs = []
+        for step, num_tokens in enumerate((48 + 8 * rank, 40 + 16 * rank)):  # token counts differ by rank and step
+            x = torch.randn(1, num_tokens, 64, generator=torch.Generator().manual_seed(10 * rank + step))
+            x = x.to(torch.bfloat16).requires_grad_(True)
+            y = stack(x)
+            y.float().pow(2).sum().backward()
+            runs.append([y.detach().float().flatten().tolist(), x.grad.float().flatten().tolist()])
+        outputs[str(compiled)] = runs
+    outputs["graph_breaks"] = dict(counters["graph_break"])
+    outputs["graphs"] = counters["stats"]["unique_graphs"]
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outputs))
+    dist.destroy_process_group()
+
+
+def test_a_compiled_checkpointed_ep_block_has_no_graph_break(tmp_path):
+    """A graph break inside an activation-checkpointed block makes torch.compile run the whole block eagerly (what kept
+    expert parallelism at 68% of one GPU's throughput): the token dispatch reads nothing on the host inside the block,
+    and the compiled block gives eager's values and gradients (bf16 tolerance) for token counts that differ by rank."""
+    run_ranks(2, _compiled, str(tmp_path))
+    for rank in range(2):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert results["graph_breaks"] == {}, results["graph_breaks"]
+        assert results["graphs"] >= 1
+        for eager, compiled in zip(results["False"], results["True"], strict=True):
+            for want, got in zip(eager, compiled, strict=True):
+                want, got = torch.tensor(want), torch.tensor(got)
+                assert torch.isfinite(got).all()
+                torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * want.abs().max().item())
