@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import io
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from slipstream.orchestrator.loop import orchestrate
 from slipstream.transport.rollouts import batch_path, read_batch
 from slipstream.transport.weights import PROBE, READY, weights_dir
 from slipstream.utils.fs import commit_dir
+from slipstream.utils.net import free_port
 from slipstream_sim import LatencyModel, SimConfig, sim_logprob
 
 MODEL = "sim"
@@ -60,12 +60,6 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         request_latency_tail_ratio=args.tail_ratio,
         seed=args.seed,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

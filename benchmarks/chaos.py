@@ -31,7 +31,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,8 @@ from pathlib import Path
 
 import psutil
 import tomli_w
+
+from slipstream.utils.net import free_port
 
 RUN_DIR_ENV = "SLIPSTREAM_RUN_DIR"  # the launcher's marker in every child's environment (rundir.RUN_DIR_ENV)
 CHAOS_ENV = "SLIPSTREAM_CHAOS_ID"  # this driver's marker: every process it started, and their descendants
@@ -67,12 +68,6 @@ class Kill:
     time_lost_s: float = 0.0
     cleanup_s: float = 0.0
     notes: list[str] = field(default_factory=list)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _say(message: str) -> None:

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -31,6 +30,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from slipstream.utils.net import free_port  # noqa: E402
 
 MODELS = {
     "qwen3-0.6b": dict(
@@ -56,12 +57,6 @@ RAW_BYTES = 512 << 20
 """The raw broadcast baseline's buffer: 512 MiB whatever the bucket size, so a smaller bucket cannot lower the bar."""
 RAW_ITERS = 10
 REPEATS = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_model(name: str, device: torch.device, fsdp_mesh=None, layers: int | None = None) -> torch.nn.Module:
@@ -278,8 +273,8 @@ def run(scenario: str, model: str, bucket_mb: int = BUCKET_MB, skip_filesystem: 
         "model": model,
         "num_trainers": num_trainers,
         "num_receivers": num_receivers,
-        "store_port": _free_port(),
-        "trainer_port": _free_port(),
+        "store_port": free_port(),
+        "trainer_port": free_port(),
         "fs_dir": str(fs_dir / "weights"),
         "bucket_mb": bucket_mb,
         "skip_filesystem": skip_filesystem,

@@ -1,7 +1,6 @@
 """Run a function on N CPU ranks (gloo, torch.multiprocessing spawn) as torchrun would, and build test batches."""
 
 import os
-import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -11,12 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from slipstream.transport.rollouts import MicroBatch, Routing, TrainingBatch, write_batch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from slipstream.utils.net import free_port
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> None:

@@ -1,7 +1,6 @@
 """Helpers for end-to-end runs: free ports, run configs, and finding every process a run started."""
 
 import contextlib
-import socket
 import subprocess
 import sys
 import time
@@ -10,13 +9,9 @@ from pathlib import Path
 import httpx
 import tomli_w
 
+from slipstream.utils.net import free_port
+
 MARKER_VAR = "SLIPSTREAM_TEST_RUN_ID"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def processes_with_marker(marker: str, var: str = MARKER_VAR) -> list[int]:

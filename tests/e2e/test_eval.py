@@ -12,7 +12,8 @@ import pytest
 from slipstream.config.eval import EvalConfig
 from slipstream.config.loader import validate_config
 from slipstream.eval.run import run_eval
-from slipstream.eval.server import free_port, serve_model
+from slipstream.eval.server import serve_model
+from slipstream.utils.net import free_port
 from tests.e2e.helpers import MARKER_VAR, processes_with_marker
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

@@ -28,8 +28,9 @@ from slipstream.config.inference import InferenceConfig
 from slipstream.inference.admin_token import TOKEN_ENV
 from slipstream.inference.deployment import router_argv
 from slipstream.orchestrator.client import InferenceClient
+from slipstream.utils.net import free_port
 from tests.e2e.helpers import processes_with_marker, tiny_rl_config, write_config
-from tests.e2e.test_inference_router import NUM_TURNS, _free_port_block, play_rollout
+from tests.e2e.test_inference_router import NUM_TURNS, play_rollout
 from tests.e2e.test_rl_tiny import _read_jsonl
 
 pytestmark = [
@@ -135,10 +136,10 @@ def test_two_vllm_replicas_behind_the_router_keep_or_spread_rollouts_and_take_ev
     env = {**env, TOKEN_ENV: "replicas-e2e"}  # the run's admin token, shared by both launchers
     out = tmp_path / "run"
     config = tiny_rl_config(tiny_qwen3_dir, out, max_steps=3)
-    config["inference"].update(port=_free_port_block(3))
+    config["inference"].update(port=free_port(count=3))
     config["inference"]["deployment"] = {
         "num_replicas": 2,
-        "router": {"policy": "consistent_hash", "prometheus_port": _free_port_block(1)},
+        "router": {"policy": "consistent_hash", "prometheus_port": free_port(count=1)},
     }
     config["orchestrator"]["env"] = {"name": "wordle", "args": {"num_tasks": 32, "max_guesses": 3}}
     config["weights"] = {"transport": "filesystem"}  # both launchers must agree (the nodes share this filesystem)
@@ -162,7 +163,8 @@ def test_two_vllm_replicas_behind_the_router_keep_or_spread_rollouts_and_take_ev
         assert all(sorted(counts) == [0, NUM_TURNS] for counts in kept), kept  # every turn on one engine
 
         argv = router_argv(inference_config.model_copy(update={"deployment": _round_robin(inference_config)}))
-        rr_port, rr_prometheus = _free_port_block(1), _free_port_block(1)
+        rr_port = free_port(count=2)
+        rr_prometheus = rr_port + 1
         assert argv is not None
         argv[argv.index("--port") + 1], argv[argv.index("--prometheus-port") + 1] = str(rr_port), str(rr_prometheus)
         routers.append(_start_router(argv, rr_port, tmp_path / "round_robin_router.log"))

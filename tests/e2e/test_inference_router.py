@@ -5,7 +5,6 @@ round_robin spreads them, and admin calls (pause, weight load, resume, probe che
 import asyncio
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from slipstream.orchestrator.client import InferenceClient
 from slipstream.orchestrator.weights import verify_weights
 from slipstream.rollout.turns import TurnProgress, TurnRequester
 from slipstream.rundir import RunDir
+from slipstream.utils.net import free_port
 from slipstream_sim.app import SimServer
 from slipstream_sim.config import SimConfig
 from slipstream_sim.policy import sim_logprob
@@ -37,35 +37,12 @@ pytestmark = pytest.mark.skipif(
 NUM_ROLLOUTS, NUM_TURNS = 20, 3
 
 
-def _free_port_block(size: int) -> int:
-    """A port p with p .. p + size - 1 free (router on p, engines after it)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + size > 65535:
-            continue
-        try:
-            socks = []
-            for port in range(base, base + size):
-                sock = socket.socket()
-                sock.bind(("127.0.0.1", port))
-                socks.append(sock)
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no block of free ports")
-
-
 def _config(policy: str) -> InferenceConfig:
-    base = _free_port_block(3)
+    base = free_port(count=3)
     return InferenceConfig(
         model={"name": "sim"},
         port=base,
-        deployment={"num_replicas": 2, "router": {"policy": policy, "prometheus_port": _free_port_block(1)}},
+        deployment={"num_replicas": 2, "router": {"policy": policy, "prometheus_port": free_port(count=1)}},
     )
 
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from slipstream.utils.net import free_port
 from tests.e2e.helpers import processes_with_marker, tiny_rl_config, write_config
-from tests.e2e.test_inference_router import _free_port_block
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -57,7 +57,7 @@ def test_three_steps_with_verified_weight_updates(tiny_model_factory, tmp_path, 
     marker, env = run_env
     out = tmp_path / "run"
     config = tiny_rl_config(tiny_model_factory("llama"), out, max_steps=3)
-    port = _free_port_block(2)  # trainer on port, orchestrator on port + 1
+    port = free_port(count=2)  # trainer on port, orchestrator on port + 1
     config["monitor"] = {"prometheus_port": port, "wandb": {"mode": "offline", "project": "e2e"}}
     # On-policy: after each step the trainer waits while inference loads its weights and generates the next
     # batch, so its endpoint serves a step for seconds. With max_async_level = 1 the next batches can be

@@ -29,6 +29,7 @@ from slipstream.rollout.turns import CONTEXT_LENGTH
 from slipstream.rundir import ONLINE_EVAL_FILE
 from slipstream.trainer.data import expand_trees
 from slipstream.transport.rollouts import batch_path, read_batch
+from slipstream.utils.net import free_port
 from slipstream_sim import SimConfig, SimServer, serve_in_thread, sim_logprob
 from tests.unit.test_async_pipeline import MODEL as SIM_MODEL
 from tests.unit.test_async_pipeline import config_for
@@ -435,7 +436,6 @@ def test_a_missing_or_non_finite_reward_fails_its_rollout(value):
 
 def test_orchestrator_serves_its_metrics_to_prometheus(tmp_path, monkeypatch):
     """monitor.prometheus_port: the orchestrator serves its step metrics and counters on the next port."""
-    import socket
 
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
@@ -444,9 +444,7 @@ def test_orchestrator_serves_its_metrics_to_prometheus(tmp_path, monkeypatch):
 
     exporters = []
     monkeypatch.setattr(PrometheusExporter, "close", lambda self: exporters.append(self))  # scraped after the run
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1] - 1  # the orchestrator takes monitor.prometheus_port + 1
+    port = free_port(count=2)  # the orchestrator takes monitor.prometheus_port + 1
     run_env(tmp_path, monkeypatch, TalkEnv(), FakeChatModel(talk_script), monitor={"prometheus_port": port})
     (exporter,) = exporters
     try:

@@ -18,6 +18,7 @@ from slipstream.trainer.step import train_step
 from slipstream.trainer.weights import publish_weights
 from slipstream.transport.rollouts import MicroBatch, TrainingBatch, wait_for_batch, write_batch
 from slipstream.transport.weights import READY, read_probe, weights_dir
+from slipstream.utils.net import free_port
 
 CPU = torch.device("cpu")
 
@@ -222,7 +223,6 @@ def test_bf16_updates_fp32_masters_and_publishes_bf16(model, model_dir, tmp_path
 
 def test_run_trainer_serves_prometheus_and_logs_to_wandb_offline(model, model_dir, tmp_path, monkeypatch):
     """monitor.prometheus_port: rank 0 serves each step's record; monitor.wandb (offline): one local run."""
-    import socket
 
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
@@ -233,9 +233,7 @@ def test_run_trainer_serves_prometheus_and_logs_to_wandb_offline(model, model_di
     pytest.importorskip("wandb", reason="the wandb extra is not installed")
     exporters = []
     monkeypatch.setattr(PrometheusExporter, "close", lambda self: exporters.append(self))  # scraped after the run
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     _write_batches(model, tmp_path, num_steps=2)
     monitor = MonitorConfig(prometheus_port=port, wandb=WandbConfig(mode="offline"))
     config = TrainerConfig(

@@ -36,7 +36,8 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
     if config.inference_url is not None:
         result = asyncio.run(_evaluate_at(config, env, config.inference_url))
     else:
-        from slipstream.eval.server import free_port, serve_model
+        from slipstream.eval.server import serve_model
+        from slipstream.utils.net import free_port
 
         model_path = resolve_eval_model(config)
         inference = config.inference

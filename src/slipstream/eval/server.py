@@ -1,7 +1,6 @@
 """A vLLM server owned by `slipstream eval`: started with Slipstream's flags, stopped with all its processes."""
 
 import signal
-import socket
 import threading
 import time
 import urllib.error
@@ -22,13 +21,6 @@ SEEDED_SAMPLING_ARGS = ["--no-enable-chunked-prefill"]
 whose prompt is prefilled in chunks: it rewinds the request's torch generator with `set_offset`, which CPU
 generators lack ("CPU Generator does not use offset"). Without chunked prefill no prompt is split, and seeded
 samples were also bit-identical whatever the batch composition (concurrency 8 vs 512)."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def build_eval_server_argv(config: InferenceConfig, model_path: Path) -> list[str]:

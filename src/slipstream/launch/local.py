@@ -3,7 +3,6 @@
 import functools
 import json
 import os
-import socket
 import sys
 import time
 import urllib.error
@@ -23,6 +22,7 @@ from slipstream.launch.trainer_nodes import launch_id, publish_launch, run_secon
 from slipstream.rundir import RunDir, RunLock, RunLockedError, launcher_env, wait_no_run_processes
 from slipstream.transport.checkpoints import committed_run_steps, prepare_resume, prune_checkpoints, resolve_run_step
 from slipstream.transport.weights import is_ready
+from slipstream.utils.net import free_port
 
 EARLIER_RUN_EXIT_S = 3.0
 """How long a new launcher waits for the processes of a just-killed run of its directory to end themselves (their
@@ -125,13 +125,6 @@ def choose_store_port(config: RLConfig) -> RLConfig:
             f"{', '.join(config.deployment.run)}: set weights.master_port to a free TCP port on the trainer's node"
         )
     return config.rebuilt({"weights": {"master_port": free_port(w.master_addr)}})
-
-
-def free_port(host: str) -> int:
-    """A TCP port nobody listens on at `host` right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def start_processes(sup: Supervisor, specs: dict[str, ProcessSpec], config: RLConfig, start: float) -> None:
