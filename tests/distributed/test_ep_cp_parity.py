@@ -18,6 +18,9 @@ CASES = {
     "qwen3_moe-ep2": ("qwen3_moe", 2, 2, ParallelConfig(ep=2), "dppo_tv"),
     "qwen3_moe-fsdp2-ep2": ("qwen3_moe", 4, 4, ParallelConfig(ep=2), "dppo_tv"),
     "qwen3_moe-hsdp2-ep2": ("qwen3_moe", 4, 4, ParallelConfig(dp_replicate=2, ep=2), "dppo_tv"),
+    # The experts' FSDP unit (expert_fsdp of 2) gathers at the block's boundary (parallel/fsdp.py: hook_at_block):
+    # the recomputation in backward must find the experts gathered, their gradients reduced after the block's.
+    "qwen3_moe-fsdp2-ep2-ac": ("qwen3_moe", 4, 4, ParallelConfig(ep=2, activation_checkpointing=True), "dppo_tv"),
     # One ep group spanning the cp group (the all-to-all moves tokens between the two halves of each row), with
     # activation checkpointing: recomputation in backward repeats the all-to-alls and the K/V all-gather.
     "qwen3_moe-ep2-cp2-ac": ("qwen3_moe", 2, 1, ParallelConfig(ep=2, cp=2, activation_checkpointing=True), "dppo_tv"),

@@ -76,6 +76,36 @@ def apply_compile(model: nn.Module) -> None:
         block.compile()
 
 
+def hook_at_block(unit: FSDPModule, block: nn.Module) -> None:
+    """Run the FSDP unit `unit`'s forward hooks (all-gather before, reshard and the backward hooks after) on `block`,
+    the outermost module of the transformer block holding it, instead of on `unit` itself.
+
+    The experts' unit lives on its own mesh (`expert_fsdp`), so it cannot share the block's unit, and its hooks
+    would fire inside the block: torch.compile does not trace FSDP hooks, and a graph break inside an
+    activation-checkpointed block runs that whole block eagerly (what kept FSDP x EP blocks uncompiled). At the
+    block's boundary they fire where the block's own unit's do, outside the compiled, checkpointed body: the
+    experts are gathered before the block runs and released after it (the recomputation in backward finds them
+    gathered by the pre-backward hook on the block's outputs), and their gradients are reduce-scattered once the
+    block's input gradients exist, which is after every expert gradient of the block. The values are the same:
+    only when the unit gathers and releases moves (tests/distributed/test_ep_exchange.py).
+
+    FSDP2 has no public way to hook a unit on another module: this re-registers the unit's own hook methods and
+    needs the handles FSDP keeps for them (torch 2.4 to 2.13 have them). A torch without them fails here, naming it."""
+    state = unit._get_fsdp_state()
+    pre = getattr(state, "_pre_forward_hook_handle", None)
+    post = getattr(state, "_post_forward_hook_handle", None)
+    if pre is None or post is None or pre is post:
+        raise RuntimeError(
+            f"torch {torch.__version__}: FSDP's state keeps no separate forward hook handles, which parallel/fsdp.py "
+            "needs to run the experts' FSDP unit at the block's boundary; use torch 2.4 to 2.13, or ep equal to "
+            "dp_shard x cp (no expert_fsdp) without cpu_offload"
+        )
+    pre.remove()
+    post.remove()
+    state._pre_forward_hook_handle = block.register_forward_pre_hook(state._pre_forward, prepend=True, with_kwargs=True)
+    state._post_forward_hook_handle = block.register_forward_hook(state._post_forward, prepend=False)
+
+
 def parallelize_model(
     model: nn.Module,
     mesh: TrainerMesh | None,
@@ -126,6 +156,7 @@ def parallelize_model(
         for module in block.modules():
             if id(module) in sharded_experts:
                 fully_shard(module, mesh=mesh.expert_fsdp, reshard_after_forward=reshard, **shard)
+                hook_at_block(module, block)
         fully_shard(block, mesh=mesh.fsdp, reshard_after_forward=reshard, **shard)
     fully_shard(model, mesh=mesh.fsdp, **shard)
     for module in model.modules():
