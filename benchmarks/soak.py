@@ -43,7 +43,9 @@ import psutil
 import tomli_w
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chaos import Inference, free_port, launch, metrics, run_processes, workdir_and_model  # noqa: E402  (benchmarks/ is no package)
+from chaos import Inference, launch, metrics, run_processes, workdir_and_model  # noqa: E402  (benchmarks/ is no package)
+
+from slipstream.utils.net import free_port  # noqa: E402
 
 KINDS = ("launcher", "inference", "torchrun", "trainer_rank", "orchestrator")
 

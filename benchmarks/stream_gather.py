@@ -8,7 +8,8 @@ mixed-precision policy: FSDP gathers bfloat16) or CPU ranks (gloo; FSDP gathers 
     python benchmarks/stream_gather.py --device cpu --world 2 --model qwen3-0.6b --layers 8
 
 Prints per variant the best of `--repeats` after a warm-up, and `gather_speedup: <x>` (unsharding time / chunked
-gather time) last.
+gather time) last. `--profile PATH` also writes a torch.profiler trace of three chunked-gather versions (rank 0) to
+PATH.json, for `benchmarks/trace_gaps.py`.
 """
 
 import argparse
@@ -25,7 +26,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from weight_transfer import BUCKET_MB, MODELS, _free_port, _NullSink, build_model  # noqa: E402
+from weight_transfer import BUCKET_MB, MODELS, _NullSink, build_model  # noqa: E402
+
+from slipstream.utils.net import free_port  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -73,9 +76,28 @@ def worker(rank: int, args: dict, results) -> None:
                 _sync(device)
                 times.append(time.perf_counter() - start)
             out[f"{name}_s"] = min(out.get(f"{name}_s", float("inf")), *times[1:])
+    if args["profile"]:
+        _profile(rank, device, streams["chunked_gather"], manifests["chunked_gather"], buffers["chunked_gather"], args)
     if rank == 0:
         results.update(out)
     dist.destroy_process_group()
+
+
+def _profile(rank: int, device: torch.device, stream, manifest, buffers, args: dict) -> None:
+    """Three more chunked-gather versions under torch.profiler (CPU and CUDA activity, Python stacks); rank 0 writes
+    the Chrome trace to `<--profile>.json` (benchmarks/trace_gaps.py lists where the GPU waits)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from slipstream.transport.bucket_assembly import stream_to
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    with profile(activities=activities, with_stack=True) as prof:
+        for _ in range(3):
+            stream_to(stream, manifest, [_NullSink()] if rank == 0 else [], buffers)
+            _sync(device)
+    if rank == 0:
+        prof.export_chrome_trace(f"{args['profile']}.json")
 
 
 def main() -> int:
@@ -86,6 +108,9 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=None, help="cut the model to this many decoder layers")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per CPU rank")
+    parser.add_argument(
+        "--profile", default=None, help="after timing, profile 3 chunked-gather versions; rank 0 writes PROFILE.json"
+    )
     cli = parser.parse_args()
     if cli.device == "cuda" and torch.cuda.device_count() < cli.world:
         print(
@@ -94,7 +119,7 @@ def main() -> int:
         return 1
     hardware = f"{cli.world} x {torch.cuda.get_device_name(0)}" if cli.device == "cuda" else f"{cli.world} CPU ranks"
     print(f"# {hardware}, torch {torch.__version__}, {cli.model}, layers {cli.layers or 'all'}", flush=True)
-    args = vars(cli) | {"port": _free_port()}
+    args = vars(cli) | {"port": free_port()}
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(worker, args=(args, results), nprocs=cli.world, join=True)

@@ -205,7 +205,8 @@ class ShardGatherer:
 
         `received` holds, rank after rank, every source's slot; where every rank holds the same number of rows of a
         source (the common case) its slots, seen as [ranks, slot], are the whole tensor seen as [ranks, rows x
-        row]: one copy per source, from views made by two splits. Uneven sources copy rank by rank."""
+        row]: one flat copy per source and rank, from views made by two splits and an unbind. Uneven sources copy
+        their valid rows rank by rank. Every pair is flat and contiguous, so on CUDA the list is one fused copy."""
         out: dict[tuple[int, int], Tensor] = {}
         for gather, work, _, received in pending.works:
             work.wait()
@@ -218,8 +219,11 @@ class ShardGatherer:
                 out[source.key] = whole_part.view(source.shape)
                 if min(source.rows) == max(source.rows):
                     if whole_part.numel():
-                        dsts.append(whole_part.view(size, -1))
-                        srcs.append(slot_RS)
+                        # rank by rank, as flat pieces: pairs of equal sizes and strides, which CUDA's
+                        # _foreach_copy_ copies in fused launches (a [ranks, slot] view of `received` has other
+                        # strides than its destination and sends the whole list to one copy kernel per tensor)
+                        dsts.extend(whole_part.view(size, -1).unbind(0))
+                        srcs.extend(slot_RS.unbind(0))
                     continue
                 row = 0
                 for c, rows in enumerate(source.rows):
