@@ -293,11 +293,27 @@ def flops_per_token(cfg, context: float) -> float:
     return 6 * active_matmul_params(cfg) + attention
 
 
-def fake_batch(seq_len: int, num_samples: int, vocab_size: int, seed: int = 0) -> tuple[TrainingBatch, float]:
-    """One micro-batch of `seq_len` tokens packing `num_samples` samples; returns it and the attended context."""
+def varied_lengths(seq_len: int, num_samples: int, seed: int) -> list[int]:
+    """Sample lengths of one RL-like micro-batch: `num_samples` samples of random lengths (each at least 1/4 of an
+    even share) filling between 3/4 of `seq_len` and all of it, different for every seed."""
+    g = torch.Generator().manual_seed(10_000 + seed)
+    total = int(seq_len * (0.75 + 0.25 * torch.rand((), generator=g).item()))
+    weights = 0.25 + torch.rand(num_samples, generator=g)
+    lengths = [max(1, int(total * w / weights.sum())) for w in weights.tolist()]
+    lengths[-1] += total - sum(lengths)
+    return lengths
+
+
+def fake_batch(
+    seq_len: int, num_samples: int, vocab_size: int, seed: int = 0, lengths: list[int] | None = None
+) -> tuple[TrainingBatch, float]:
+    """One micro-batch of `seq_len` tokens packing `num_samples` samples of equal length (or of `lengths`, whose sum
+    is then the micro-batch's length); returns it and the attended context."""
     g = torch.Generator().manual_seed(seed)
-    lengths = [seq_len // num_samples] * num_samples
-    lengths[-1] += seq_len - sum(lengths)
+    if lengths is None:
+        lengths = [seq_len // num_samples] * num_samples
+        lengths[-1] += seq_len - sum(lengths)
+    seq_len = sum(lengths)
     ids, pos, mask = torch.randint(0, vocab_size, (seq_len,), generator=g).tolist(), [], []
     for n in lengths:
         num_prompt = max(1, int(PROMPT_FRACTION * n))
@@ -389,14 +405,25 @@ def run_impl(args: argparse.Namespace, impl: str, device: torch.device) -> Resul
         optimizer = AdamWBf16Moments(policy.parameters(), lr=1e-6)
     else:
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, fused=True if device.type == "cuda" else None)
-    batch, context = fake_batch(args.seq_len, args.num_samples, cfg.vocab_size, seed=args.rank)
+    if args.vary_lengths:  # a new packing every step, warm-up included: lengths never seen before are measured
+        batches = [
+            fake_batch(0, 0, cfg.vocab_size, args.rank, varied_lengths(args.seq_len, args.num_samples, s))
+            for s in range(args.warmup + args.steps)
+        ]
+    else:
+        batches = [fake_batch(args.seq_len, args.num_samples, cfg.vocab_size, seed=args.rank)]
     # Under FSDP the parameters arrive in bf16 already (its mixed-precision policy), as in the trainer's setup.
     autocast_dtype = torch.float32 if mesh is not None and device.type == "cuda" else compute_dtype
-    step_s, metrics = time_steps(policy, optimizer, batch, device, autocast_dtype, args.warmup, args.steps)
+    step_s, metrics = time_steps(
+        policy, optimizer, [b for b, _ in batches], device, autocast_dtype, args.warmup, args.steps
+    )
     if args.profile is not None and impl == args.impl:
         # every rank runs the step (its collectives), rank 0 writes the profile
-        profile_step(policy, optimizer, batch, device, compute_dtype, args.profile if args.rank == 0 else None)
-    tokens_per_s = args.seq_len / step_s
+        profile_step(policy, optimizer, batches[-1][0], device, compute_dtype, args.profile if args.rank == 0 else None)
+    measured = batches[-args.steps :] if args.vary_lengths else batches
+    tokens = sum(len(b.micro_batches[0].input_ids) for b, _ in measured) / len(measured)
+    context = sum(c * len(b.micro_batches[0].input_ids) for b, c in measured) / (tokens * len(measured))
+    tokens_per_s = tokens / step_s
     mfu = flops_per_token(cfg, context) * tokens_per_s / PEAK_FLOPS if device.type == "cuda" else None
     peak = _peak_memory_gib(device)
     per_gpu = f" per GPU ({args.world_size} ranks, ep {args.ep})" if args.world_size > 1 else ""
@@ -417,16 +444,18 @@ def _print0(args: argparse.Namespace, line: str) -> None:
         print(line, flush=True)
 
 
-def time_steps(policy, optimizer, batch, device, compute_dtype, num_warmup: int, num_steps: int):
-    """(seconds per measured step, metrics of the last step); peak GPU memory is reset after the warmup."""
-    for _ in range(num_warmup):
-        train_step(policy, optimizer, batch, LossConfig(), 1.0, device, compute_dtype)
+def time_steps(policy, optimizer, batches, device, compute_dtype, num_warmup: int, num_steps: int):
+    """(seconds per measured step, metrics of the last step); peak GPU memory is reset after the warmup. `batches`:
+    one TrainingBatch for every step, or a list that step i takes entry i of (cycling)."""
+    batches = batches if isinstance(batches, list) else [batches]
+    for i in range(num_warmup):
+        train_step(policy, optimizer, batches[i % len(batches)], LossConfig(), 1.0, device, compute_dtype)
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    for _ in range(num_steps):
-        metrics = train_step(policy, optimizer, batch, LossConfig(), 1.0, device, compute_dtype)
+    for i in range(num_warmup, num_warmup + num_steps):
+        metrics = train_step(policy, optimizer, batches[i % len(batches)], LossConfig(), 1.0, device, compute_dtype)
     _sync(device)
     return (time.perf_counter() - start) / num_steps, metrics
 
@@ -613,6 +642,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "padded row per sample (trainer/row_layout.py: padded where no fused varlen kernel runs, e.g. on CPU); "
         "'packed' keeps the packed row",
     )
+    parser.add_argument(
+        "--vary-lengths",
+        action="store_true",
+        help="a new packing every step, as RL micro-batches have: --num-samples samples of random lengths filling "
+        "3/4 to all of --seq-len (warm-up steps included, so measured steps see lengths never seen before); "
+        "tokens/s counts the measured steps' tokens. The baselines (--compare-*) run their fixed shapes: no ratio",
+    )
     parser.add_argument("--lm-head-memory", action="store_true", help="measure the LM head's memory instead")
     parser.add_argument("--head-tokens", type=int, default=65536, help="tokens for --lm-head-memory")
     args = parser.parse_args(argv)
@@ -622,6 +658,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--device cuda but torch sees no GPU; use --device cpu (with --model tiny)")
     if args.steps < 1 or args.num_samples < 1 or args.seq_len < 2 * args.num_samples:
         parser.error("need --steps >= 1, --num-samples >= 1 and --seq-len >= 2 x --num-samples")
+    if args.vary_lengths and (args.compare_hf or args.compare_anchor or args.compare_torchtitan):
+        parser.error("--vary-lengths measures Slipstream alone: the baselines run fixed shapes, drop --compare-*")
     if args.compare_anchor is not None and (args.model not in MOE_MODELS or args.device != "cuda"):
         parser.error(
             f"--compare-anchor runs the MoE anchor on CUDA: use --device cuda and --model {' or '.join(MOE_MODELS)}"

@@ -143,3 +143,25 @@ def test_trace_gaps_finds_the_gpu_idle_time_and_what_the_host_ran(tmp_path, caps
     out = capsys.readouterr().out
     assert "busy 0.2 ms, idle 1.0 ms in 1 gaps" in out
     assert "gap   1.00 ms at +    0.1 ms" in out and "to_packed (0.99 ms)" in out and "aten::index" not in out
+
+
+def test_varied_lengths_pack_a_new_rl_like_micro_batch_every_step(bench, capsys):
+    """--vary-lengths: each step's micro-batch packs --num-samples samples of other lengths, filling 3/4 to all of
+    --seq-len, and tokens/s counts the tokens of the measured steps."""
+    packings = [bench.varied_lengths(2048, 8, seed) for seed in range(6)]
+    assert len({tuple(p) for p in packings}) == 6  # a new packing every step
+    for lengths in packings:
+        assert len(lengths) == 8 and min(lengths) >= 2048 * 0.75 / 8 * 0.25 / 1.25 - 1
+        assert 0.75 * 2048 - 1 <= sum(lengths) <= 2048
+        batch, context = bench.fake_batch(0, 0, 512, lengths=lengths)
+        (mb,) = batch.micro_batches
+        assert len(mb.input_ids) == sum(lengths) and context == pytest.approx(
+            sum(n * n for n in lengths) / sum(lengths)
+        )
+        starts = [i for i, p in enumerate(mb.position_ids) if p == 0]
+        assert [b - a for a, b in zip(starts, [*starts[1:], len(mb.position_ids)], strict=True)] == lengths
+    argv = ["--model", "tiny", "--device", "cpu", "--seq-len", "96", "--num-samples", "3", "--steps", "2"]
+    bench.main([*argv, "--warmup", "1", "--vary-lengths"])
+    assert re.fullmatch(r"tokens_per_s: \d+\.\d mfu: n/a", capsys.readouterr().out.strip().splitlines()[-1])
+    with pytest.raises(SystemExit):
+        bench.main([*argv, "--vary-lengths", "--compare-hf"])
