@@ -1,6 +1,6 @@
-"""On 2 GPUs (NCCL): torchrun trains with expert parallelism (ep=2), context parallelism (cp=2) and both, and the first
-steps match one GPU: to ~1e-5 in float32, within bf16 noise in bfloat16 (tolerances as in test_fsdp_gpu.py). Not run in
-CI (marked gpu)."""
+"""On 2 GPUs (NCCL): torchrun trains with expert parallelism (ep=2), context parallelism (cp=2) and both, and on 4 GPUs
+with FSDP x EP (compiled, checkpointed blocks); the first steps match one GPU: to ~1e-5 in float32, within bf16 noise
+in bfloat16 (tolerances as in test_fsdp_gpu.py). Not run in CI (marked gpu)."""
 
 import subprocess
 import sys
@@ -22,13 +22,17 @@ pytestmark = [
 ]
 NUM_STEPS = 2
 CASES = {
-    "qwen3_moe-ep2": ("qwen3_moe", ParallelConfig(ep=2), 2),
-    "qwen3-cp2": ("qwen3", ParallelConfig(cp=2), 1),
-    "qwen3_moe-cp2-ep2": ("qwen3_moe", ParallelConfig(cp=2, ep=2), 1),
+    # name: (family, parallel config, data-parallel ranks, GPUs, torch.compile)
+    "qwen3_moe-ep2": ("qwen3_moe", ParallelConfig(ep=2), 2, 2, False),
+    "qwen3-cp2": ("qwen3", ParallelConfig(cp=2), 1, 2, False),
+    "qwen3_moe-cp2-ep2": ("qwen3_moe", ParallelConfig(cp=2, ep=2), 1, 2, False),
+    # FSDP 4 x EP 2: the experts' own FSDP unit (2 ranks) gathers at the block's boundary (parallel/fsdp.py:
+    # hook_at_block), compiled and checkpointed blocks
+    "qwen3_moe-fsdp4-ep2-ac-compile": ("qwen3_moe", ParallelConfig(ep=2, activation_checkpointing=True), 4, 4, True),
 }
 
 
-def _run(tmp_path, name, model_dir, num_procs, dtype, parallel):
+def _run(tmp_path, name, model_dir, num_procs, dtype, parallel, compile=False):
     config = TrainerConfig(
         model=ModelConfig(name=str(model_dir), dtype=dtype),
         model_impl="custom",
@@ -36,6 +40,7 @@ def _run(tmp_path, name, model_dir, num_procs, dtype, parallel):
         max_steps=NUM_STEPS,
         optim=OptimConfig(lr=1e-3),
         parallel=parallel,
+        compile=compile,
         device="cuda",
         batch_timeout_s=30.0,
         # files, which the test reads: on GPUs the default (NCCL) waits for inference to accept each version
@@ -51,12 +56,15 @@ def _run(tmp_path, name, model_dir, num_procs, dtype, parallel):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_gpus_ep_cp_match_one_gpu(tiny_model_factory, tmp_path, case, dtype):
-    family, parallel, num_data_ranks = CASES[case]
+    family, parallel, num_data_ranks, num_gpus, compile = CASES[case]
+    if torch.cuda.device_count() < num_gpus:
+        pytest.skip(f"needs {num_gpus} CUDA GPUs")
     model_dir = tiny_model_factory(family)
     write_step_batches(tmp_path / "multi", NUM_STEPS, world_size=num_data_ranks)
     write_step_batches(tmp_path / "one_gpu", NUM_STEPS, world_size=num_data_ranks, as_single_rank=True)
-    _run(tmp_path, "multi", model_dir, 2, dtype, parallel)
-    _run(tmp_path, "one_gpu", model_dir, 1, dtype, ParallelConfig())
+    _run(tmp_path, "multi", model_dir, num_gpus, dtype, parallel, compile)
+    one_gpu = ParallelConfig(activation_checkpointing=parallel.activation_checkpointing)
+    _run(tmp_path, "one_gpu", model_dir, 1, dtype, one_gpu, compile)
 
     first = {n: read_metrics(tmp_path / n)[0] for n in ("multi", "one_gpu")}
     keys = ("loss", "entropy", "grad_norm", "mismatch_kl", "num_tokens")
