@@ -13,7 +13,7 @@ run, and the filesystem path (the same stream written as safetensors shards, the
 `transfer_efficiency` = stream GB/s / raw broadcast GB/s; the lowest over all runs is printed last.
 
     python benchmarks/weight_transfer.py [--scenarios 1to1,fsdp2] [--models qwen3-0.6b,qwen3-30b-a3b-8l] [--bucket-mb 512]
-        [--skip-filesystem]
+        [--skip-filesystem] [--profile DIR]
 """
 
 import argparse
@@ -128,6 +128,12 @@ def sender(rank: int, args: dict, stream, manifest, group, results: dict) -> Non
     if rank == 0:
         results["stream_gbps"] = manifest.nbytes / results["stream_s"] / 1e9
         _time_assembly(stream, manifest, buffers, results)
+    if args["profile"]:  # one more version, traced on trainer rank 0 (its collectives need every trainer rank)
+        _trainer_barrier(args)
+        with _traced(args, "sender" if rank == 0 else None):
+            stream_to(stream, manifest, [BroadcastSink(group, device)] if rank == 0 else [], buffers)
+            if rank == 0:
+                _sync(group)
     if args["skip_filesystem"]:
         return
     folder = Path(args["fs_dir"])
@@ -169,6 +175,25 @@ def _time_assembly(stream, manifest, buffers, results: dict) -> None:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     results["assemble_s"] = min(times[1:])
+
+
+def _traced(args: dict, name: str | None):
+    """torch.profiler over the block (CPU and CUDA activity, Python stacks) when `name` is set: the Chrome trace goes
+    to `<--profile>/<scenario>-<model>-<name>.json` (benchmarks/trace_gaps.py lists where the GPU waits)."""
+    import contextlib
+
+    from torch.profiler import ProfilerActivity, profile
+
+    if name is None:
+        return contextlib.nullcontext()
+    path = Path(args["profile"]) / f"{args['scenario']}-{args['model']}-{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof = profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+        with_stack=True,
+        on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
+    )
+    return prof
 
 
 def _sync(group) -> None:
@@ -214,6 +239,10 @@ def receiver(index: int, args: dict, init, manifest) -> None:
     for loader in (lambda pairs: None, load):  # stream_noload, then stream
         for _ in range(REPEATS + 1):
             rx.receive(info, loader)
+            _sync(rx.group)
+    if args["profile"]:
+        with _traced(args, f"receiver{index}" if index == 0 else None):
+            rx.receive(info, load)
             _sync(rx.group)
     if args["skip_filesystem"]:
         rx.shutdown()
@@ -266,7 +295,9 @@ def worker(rank: int, args: dict, results) -> None:
         dist.destroy_process_group()
 
 
-def run(scenario: str, model: str, bucket_mb: int = BUCKET_MB, skip_filesystem: bool = False) -> dict:
+def run(
+    scenario: str, model: str, bucket_mb: int = BUCKET_MB, skip_filesystem: bool = False, profile: str | None = None
+) -> dict:
     num_trainers, num_receivers = SCENARIOS[scenario]
     fs_dir = Path(tempfile.mkdtemp(prefix="slipstream-wt-"))
     args = {
@@ -278,6 +309,8 @@ def run(scenario: str, model: str, bucket_mb: int = BUCKET_MB, skip_filesystem: 
         "fs_dir": str(fs_dir / "weights"),
         "bucket_mb": bucket_mb,
         "skip_filesystem": skip_filesystem,
+        "profile": profile,
+        "scenario": scenario,
     }
     with mp.Manager() as manager:
         results = manager.dict()
@@ -300,6 +333,13 @@ def main() -> int:
     parser.add_argument(
         "--bucket-mb", type=int, default=BUCKET_MB, help="bucket size (the trainer's weights.bucket_mb)"
     )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="after the timed runs, trace one more stream version on trainer rank 0 and receiver 0 (Chrome JSON in "
+        "DIR, one file per scenario, model and side)",
+    )
     cli = parser.parse_args()
     num_gpus = torch.cuda.device_count()
     gpu = torch.cuda.get_device_name(0) if num_gpus else "none"
@@ -310,7 +350,7 @@ def main() -> int:
             print(f"# skipping {scenario}: needs {sum(SCENARIOS[scenario])} GPUs, {num_gpus} visible", flush=True)
             continue
         for model in cli.models.split(","):
-            r = run(scenario, model, cli.bucket_mb, cli.skip_filesystem)
+            r = run(scenario, model, cli.bucket_mb, cli.skip_filesystem, cli.profile)
             efficiencies.append(r["efficiency"])
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
             print(
