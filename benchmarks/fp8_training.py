@@ -35,7 +35,8 @@ from slipstream.trainer.optim import AdamWBf16Moments
 from slipstream.trainer.policy import Policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script, whatever the working directory
-from trainer_throughput import MODELS, build_hf_config, fake_batch, time_steps  # noqa: E402
+from throughput_shapes import MODELS, build_hf_config  # noqa: E402
+from trainer_throughput import fake_batch, time_steps  # noqa: E402
 
 KL_CHUNK = 1024
 """Tokens per chunk of the full-vocabulary KL (bounds the [tokens, V] float32 logits)."""

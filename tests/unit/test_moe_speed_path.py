@@ -256,6 +256,15 @@ def bench():
     return module
 
 
+@pytest.fixture(scope="module")
+def shapes():
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "throughput_shapes.py"
+    spec = importlib.util.spec_from_file_location("throughput_shapes", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_benchmark_runs_tiny_moe_against_transformers(bench, capsys):
     """Same random weights in both (ours exported, stacked into transformers' fused experts): same loss."""
     argv = ["--model", "tiny-moe", "--device", "cpu", "--seq-len", "64", "--num-samples", "2", "--steps", "1"]
@@ -267,12 +276,12 @@ def test_benchmark_runs_tiny_moe_against_transformers(bench, capsys):
     assert losses["custom"] == losses["hf"]
 
 
-def test_benchmark_moe_flops_match_the_anchor(bench):
+def test_benchmark_moe_flops_match_the_anchor(bench, shapes):
     """Active parameters of the Qwen3-30B-A3B cuts as /work/shared/anchors/hf_moe counts them."""
     h, q, kv, hd, inter, k = 2048, 32, 4, 128, 768, 8
     for name, layers in (("qwen3-30b-a3b-4l", 4), ("qwen3-30b-a3b-8l", 8)):
         anchor = layers * (h * q * hd + 2 * h * kv * hd + q * hd * h + k * 3 * h * inter + h * 128) + 151936 * h
-        assert bench.active_matmul_params(bench.build_hf_config(name)) == anchor
+        assert shapes.active_matmul_params(shapes.build_hf_config(name)) == anchor
     with pytest.raises(SystemExit):
         bench.parse_args(["--model", "qwen3-30b-a3b-4l", "--device", "cpu", "--compare-anchor", __file__])
 

@@ -20,6 +20,15 @@ def bench():
     return module
 
 
+@pytest.fixture(scope="module")
+def shapes():
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "throughput_shapes.py"
+    spec = importlib.util.spec_from_file_location("throughput_shapes", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_runs_tiny_on_cpu_and_compares_with_hf(bench, capsys):
     argv = ["--model", "tiny", "--device", "cpu", "--seq-len", "64", "--num-samples", "2"]
     bench.main([*argv, "--steps", "1", "--warmup", "0", "--compare-hf"])
@@ -31,12 +40,12 @@ def test_runs_tiny_on_cpu_and_compares_with_hf(bench, capsys):
     assert loss[0] == loss[1]  # same random weights in both implementations
 
 
-def test_qwen3_0_6b_flops_per_token(bench):
+def test_qwen3_0_6b_flops_per_token(bench, shapes):
     cfg = bench.build_hf_config("qwen3-0.6b")
     # 28 layers x (attention 1024 x (2 x 2048 + 2 x 1024) + MLP 3 x 1024 x 3072) + LM head 151936 x 1024
-    assert bench.active_matmul_params(cfg) == 28 * (1024 * 6144 + 3 * 1024 * 3072) + 151936 * 1024
+    assert shapes.active_matmul_params(cfg) == 28 * (1024 * 6144 + 3 * 1024 * 3072) + 151936 * 1024
     attention = 12 * 28 * 16 * 128 * 16384
-    assert bench.flops_per_token(cfg, 16384) == 6 * bench.active_matmul_params(cfg) + attention
+    assert shapes.flops_per_token(cfg, 16384) == 6 * shapes.active_matmul_params(cfg) + attention
     batch, context = bench.fake_batch(1000, 3, vocab_size=512)
     assert context == pytest.approx((333**2 + 333**2 + 334**2) / 1000)
     assert len(batch.micro_batches[0].input_ids) == 1000 and batch.num_loss_tokens == 1000 - 3 * 66
@@ -82,7 +91,7 @@ def test_cut_shapes_build_for_both_impls_on_meta(bench, name):
     assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in ours.parameters())
 
 
-def test_qwen35_moe_cut_shape_memory_and_flops(bench):
+def test_qwen35_moe_cut_shape_memory_and_flops(bench, shapes):
     """qwen3.5-moe-cut: Qwen3.5-35B-A3B's dims, 4 layers in its 3:1 pattern, 64 experts; 16 bytes a parameter
     (float32 master, gradient, two AdamW moments) well under an 80 GB GPU; FLOPs counted layer type by layer type."""
     import torch
@@ -108,11 +117,11 @@ def test_qwen35_moe_cut_shape_memory_and_flops(bench):
     gated_attention = D * 2 * 16 * 256 + 2 * D * 2 * 256 + 16 * 256 * D  # q (+ gate), k, v, o
     moe = 3 * D * (8 * 512 + 512) + D * 64 + D  # top-8 + shared experts, router, shared expert gate
     active = 3 * deltanet + gated_attention + 4 * moe + 248320 * D
-    assert bench.active_matmul_params(cfg) == active == 750_657_536
+    assert shapes.active_matmul_params(cfg) == active == 750_657_536
     delta_rule = 3 * 2 * 32 * (64 * 4 * 128 + 3 * 128 * 128)  # chunks of 64: C (2.5 K + 1.5 V) + 3 K V MACs
-    assert bench.gated_delta_rule_flops(cfg) == delta_rule
+    assert shapes.gated_delta_rule_flops(cfg) == delta_rule
     full_attention = 12 * 1 * 16 * 256 * 16384
-    assert bench.flops_per_token(cfg, 16384) == 6 * active + full_attention + 3 * delta_rule
+    assert shapes.flops_per_token(cfg, 16384) == 6 * active + full_attention + 3 * delta_rule
 
 
 def test_trace_gaps_finds_the_gpu_idle_time_and_what_the_host_ran(tmp_path, capsys, monkeypatch):
