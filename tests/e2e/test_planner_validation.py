@@ -3,23 +3,16 @@ and their figures are in benchmarks/RESULTS.md): the real orchestrator and the s
 async_vs_sync.py's fake trainer, predicted vs measured steps/hour and mean token lag within 15%. One setting is
 inference-heavy with a latency tail, the other cancels groups in flight (max_off_policy_steps = 1)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.benchmark_scripts import load_benchmark
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_validation.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("plan_validation", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("plan_validation")
 
 
 @pytest.mark.parametrize("name", ["async1_tail20", "async1_offpolicy1_cap32"])

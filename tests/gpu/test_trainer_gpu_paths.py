@@ -7,9 +7,6 @@ agree to float32 rounding (1e-4 relative) and gradients to bf16 rounding (~1e-2)
 arithmetic, so a policy's log-probs and gradients agree to ~1e-2 relative.
 """
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -19,18 +16,15 @@ from slipstream.models.tiny import build_config
 from slipstream.parallel.fsdp import parallelize_model
 from slipstream.trainer.logprobs import chunked_lm_head_logprobs
 from slipstream.trainer.policy import Policy
+from tests.benchmark_scripts import load_benchmark
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 CUDA = torch.device("cuda")
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "trainer_throughput.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("trainer_throughput", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("trainer_throughput")
 
 
 def rel(x: torch.Tensor, ref: torch.Tensor) -> float:

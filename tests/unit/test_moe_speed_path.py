@@ -2,9 +2,7 @@
 autocast dtype (float32 masters keep float32 gradients), no graph break in the routed-experts path under
 torch.compile, the optimizer options (bf16 AdamW moments, CPU offload's errors) and the benchmark's MoE shapes."""
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +16,7 @@ from slipstream.trainer.ckpt import CheckpointMeta, load_checkpoint, save_checkp
 from slipstream.trainer.optim import AdamWBf16Moments, stochastic_round_to_bf16_
 from slipstream.trainer.policy import Policy
 from slipstream.trainer.setup import build_optimizer
+from tests.benchmark_scripts import load_benchmark
 
 ONE_RANK = RankInfo(rank=0, world_size=1, local_rank=0)
 NUM_EXPERTS, DIM, HIDDEN, TOP_K = 8, 32, 24, 2
@@ -249,20 +248,12 @@ def test_moe_layer_compiles_without_graph_break():
 
 @pytest.fixture(scope="module")
 def bench():
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "trainer_throughput.py"
-    spec = importlib.util.spec_from_file_location("trainer_throughput", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("trainer_throughput")
 
 
 @pytest.fixture(scope="module")
 def shapes():
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "throughput_shapes.py"
-    spec = importlib.util.spec_from_file_location("throughput_shapes", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("throughput_shapes")
 
 
 def test_benchmark_runs_tiny_moe_against_transformers(bench, capsys):

@@ -2,31 +2,22 @@
 accounting matches REFERENCE.md for Qwen3-0.6B and counts Qwen3.5-MoE's layer types; the GPU cut shapes (glm5-cut,
 qwen3.5-moe-cut) build for both implementations on the meta device."""
 
-import importlib.util
 import json
 import re
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "trainer_throughput.py"
+from tests.benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("trainer_throughput", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("trainer_throughput")
 
 
 @pytest.fixture(scope="module")
 def shapes():
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "throughput_shapes.py"
-    spec = importlib.util.spec_from_file_location("throughput_shapes", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("throughput_shapes")
 
 
 def test_runs_tiny_on_cpu_and_compares_with_hf(bench, capsys):
@@ -127,9 +118,7 @@ def test_qwen35_moe_cut_shape_memory_and_flops(bench, shapes):
 def test_trace_gaps_finds_the_gpu_idle_time_and_what_the_host_ran(tmp_path, capsys, monkeypatch):
     """benchmarks/trace_gaps.py on a hand-made trace: overlapping kernels count once, the gap between them is
     reported with the host frame that ran across it."""
-    spec = importlib.util.spec_from_file_location("trace_gaps", SCRIPT.parent / "trace_gaps.py")
-    gaps = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gaps)
+    gaps = load_benchmark("trace_gaps")
     events = [
         {"ph": "X", "cat": "kernel", "name": "a", "ts": 0, "dur": 100},
         {"ph": "X", "cat": "kernel", "name": "b", "ts": 50, "dur": 100},  # overlaps a: busy 0..150
