@@ -24,10 +24,9 @@ DEFAULT_EPHEMERAL_START = 32768
 def ephemeral_start(path: Path = EPHEMERAL_RANGE_FILE) -> int:
     """The first port of the kernel's ephemeral range (Linux's `ip_local_port_range`), or Linux's default."""
     try:
-        low = int(path.read_text().split()[0])
+        return int(path.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return DEFAULT_EPHEMERAL_START
-    return low
 
 
 def ports_free(host: str, base: int, count: int) -> bool:
@@ -52,10 +51,11 @@ def free_port(host: str = "127.0.0.1", count: int = 1, rng: random.Random | None
     if count < 1:
         raise ValueError(f"free_port: count must be >= 1, got {count}")
     rng = rng or random.SystemRandom()
-    high = ephemeral_start() - count
+    start = ephemeral_start()
+    high = start - count
     if high < LOWEST_PORT:
         raise RuntimeError(
-            f"the ephemeral port range starts at {ephemeral_start()} ({EPHEMERAL_RANGE_FILE}): no room below it "
+            f"the ephemeral port range starts at {start} ({EPHEMERAL_RANGE_FILE}): no room below it "
             f"for {count} port(s) above {LOWEST_PORT}; set the port explicitly in the config"
         )
     for _ in range(200):
