@@ -24,6 +24,7 @@ from slipstream.models.common.fp8 import (
     apply_fp8,
     block_matmul_reference,
     check_fp8_support,
+    cublas_padded_operands,
     dequantize_activation_tiles,
     dequantize_weight_blocks,
     fp8_block_matmul,
@@ -221,6 +222,20 @@ def test_scaled_mm_operands_have_the_layouts_torch_checks():
     assert y.shape == (n, o) and y.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="multiples of 16"):
         scaled_mm_operands(*quantize_activation_tiles(randn(4, 200)), *quantize_weight_blocks(randn(32, 200)))
+
+
+@pytest.mark.parametrize(
+    ("n", "i", "padded_shape"), [(17, 768, (32, 1024)), (32, 2048, (32, 2048)), (5, 200, (16, 512))]
+)
+def test_cublas_padding_leaves_the_product_unchanged(n, i, padded_shape):
+    """Rows padded to a multiple of 16 and the reduction dim to a multiple of 4 blocks (what cuBLASLt computes
+    right, measured on an H100): the reference product of the padded operands, cut to n rows, is the same up to
+    float32 summation order."""
+    (qx, sx), (qw, sw) = quantize_activation_tiles(randn(n, i)), quantize_weight_blocks(randn(272, i))
+    pqx, psx, pqw, psw = cublas_padded_operands(qx, sx, qw, sw)
+    assert pqx.shape == padded_shape and pqx.dtype == qx.dtype and pqw.shape == (272, padded_shape[1])
+    assert psx.shape == (padded_shape[0], padded_shape[1] // 128) and psw.shape == (3, padded_shape[1] // 128)
+    torch.testing.assert_close(block_matmul_reference(pqx, psx, pqw, psw)[:n], block_matmul_reference(qx, sx, qw, sw))
 
 
 def tiny_model(family: str) -> nn.Module:

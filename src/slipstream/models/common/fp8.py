@@ -10,9 +10,10 @@ Two paths compute a block-scaled matmul from the same quantized operands:
   scale_a [N, ceil(I/128)] "outer-dim-major" (strides (1, N)); B = W^T [I, O] column-major with scale_b
   [ceil(I/128), ceil(O/128)] = the transpose of W's contiguous [ceil(O/128), ceil(I/128)] block scales; I and O
   multiples of 16. Any other device, GPU generation or CUDA build raises (`check_fp8_support`): never a silent
-  fallback to bf16. Not yet run on a GPU: whether cuBLASLt also wants 16-byte aligned scale rows (ceil(I/128) a
-  multiple of 4, which the newer `torch.nn.functional.scaled_mm` pads to) is unverified; 768-wide expert
-  projections (Qwen3-30B-A3B) would hit that, 1024/2048/3072-wide ones would not.
+  fallback to bf16. Measured on an H100: cuBLASLt also wants the row count a multiple of 16 (else it refuses) and
+  the reduction dim a multiple of 4 blocks (else, e.g. 768-wide Qwen3-30B-A3B experts, it returns wrong numbers
+  silently); `cublas_padded_operands` zero-pads both (tests/gpu/test_fp8_gpu.py checks the shapes against the
+  reference).
 
 Error bounds (tested in tests/unit/test_fp8.py): e4m3 keeps 3 mantissa bits, so a quantized element is off by at
 most half an ulp, 2^-4 of its value, or 2^-10 x its block's scale in e4m3's subnormal range (scaled values below
@@ -121,11 +122,45 @@ def scaled_mm_operands(q_NI: Tensor, scale_NB: Tensor, q_OI: Tensor, scale_BB: T
     return q_NI.contiguous(), q_OI.contiguous().t(), scale_NB.t().contiguous().t(), scale_BB.contiguous().t()
 
 
+ROW_MULTIPLE = 16
+"""cuBLASLt's blockwise FP8 GEMM (CUDA 13, H100) refuses row counts that are not a multiple of 16
+(CUBLAS_STATUS_NOT_SUPPORTED) and an empty operand: rows are zero-padded up to it."""
+REDUCTION_BLOCKS_MULTIPLE = 4
+"""Measured on an H100 (torch 2.11, CUDA 13): with a reduction dim of 6 blocks (768, Qwen3-30B-A3B's expert width)
+cuBLASLt returns WRONG results without an error (relative error 0.5 to inf against the reference); 8, 16 and 24
+blocks are right. Its scale rows must be 16-byte aligned (a multiple of 4 float32 blocks), so the reduction dim is
+zero-padded to a multiple of 4 x 128. Padding only the scales' storage is rejected ("Invalid scaling configuration")."""
+
+
+def cublas_padded_operands(q_NI: Tensor, scale_NB: Tensor, q_OI: Tensor, scale_BB: Tensor) -> tuple[Tensor, ...]:
+    """(q_NI, scale_NB, q_OI, scale_BB) zero-padded to what cuBLASLt computes right: rows to a multiple of
+    ROW_MULTIPLE, the reduction dim to a multiple of REDUCTION_BLOCKS_MULTIPLE blocks (zeros in the values, scale 1
+    in the new blocks: the padded products add exact zeros, so the first N rows of the result are unchanged)."""
+    num_rows, num_in = q_NI.shape
+    pad_rows = -num_rows % ROW_MULTIPLE
+    width = REDUCTION_BLOCKS_MULTIPLE * BLOCK
+    pad_in = -num_in % width if _blocks(num_in) % REDUCTION_BLOCKS_MULTIPLE else 0
+    if pad_rows == 0 and pad_in == 0:
+        return q_NI, scale_NB, q_OI, scale_BB
+    pad_blocks = _blocks(num_in + pad_in) - scale_NB.shape[1]
+    # F.pad has no float8 kernels: pad the raw bytes (0x00 is +0.0 in e4m3).
+    q_NI = F.pad(q_NI.view(torch.uint8), (0, pad_in, 0, pad_rows)).view(FP8_DTYPE)
+    q_OI = F.pad(q_OI.view(torch.uint8), (0, pad_in)).view(FP8_DTYPE)
+    scale_NB = F.pad(scale_NB, (0, pad_blocks, 0, pad_rows), value=1.0)
+    scale_BB = F.pad(scale_BB, (0, pad_blocks), value=1.0)
+    return q_NI, scale_NB, q_OI, scale_BB
+
+
 def _cuda_block_matmul(q_NI: Tensor, scale_NB: Tensor, q_OI: Tensor, scale_BB: Tensor, out_dtype) -> Tensor:
     """y_NO on an SM90 GPU: cuBLASLt accumulates in float32 and applies the block scales as it goes."""
     check_fp8_support(q_NI.device)
-    mat_a, mat_b, scale_a, scale_b = scaled_mm_operands(q_NI, scale_NB, q_OI, scale_BB)
-    return torch._scaled_mm(mat_a, mat_b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=False)
+    num_rows = q_NI.shape[0]
+    if num_rows == 0:  # an expert without tokens; cuBLASLt rejects empty operands
+        return torch.zeros(0, q_OI.shape[0], dtype=out_dtype, device=q_NI.device)
+    padded = cublas_padded_operands(q_NI, scale_NB, q_OI, scale_BB)
+    mat_a, mat_b, scale_a, scale_b = scaled_mm_operands(*padded)
+    y_NO = torch._scaled_mm(mat_a, mat_b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=False)
+    return y_NO[:num_rows]
 
 
 def scaled_block_matmul(q_NI: Tensor, scale_NB: Tensor, q_OI: Tensor, scale_BB: Tensor, out_dtype) -> Tensor:
