@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from slipstream.models.common.moe import GroupedExperts, _local, grouped_mm_dtype
+from slipstream.models.common.moe import GroupedExperts, _local, grouped_mm, grouped_mm_dtype
 
 EXPERTS_TARGET = "experts"
 """Target name of the stacked-experts modules (all three projections of every expert)."""
@@ -114,7 +114,7 @@ def _expert_linear(x_MI: Tensor, w_EOI: Tensor, offsets_E: Tensor | None, splits
     """y_MO = x @ w[e]^T for the rows of each expert e: one grouped matmul (`offsets_E`), or a loop over `splits`."""
     if offsets_E is not None:
         dtype = grouped_mm_dtype(x_MI.device.type, w_EOI.dtype)
-        return torch._grouped_mm(x_MI.to(dtype), w_EOI.to(dtype).transpose(-2, -1), offs=offsets_E)
+        return grouped_mm(x_MI.to(dtype), w_EOI.to(dtype).transpose(-2, -1), offsets_E)
     return torch.cat([x_mI @ w_EOI[e].T for e, x_mI in enumerate(torch.split(x_MI, splits))])
 
 

@@ -62,7 +62,8 @@ class GroupedExperts(nn.Module):
     forward then runs on the local [E / ep, ...] weights. `use_grouped_mm` (default) runs all experts through
     `torch._grouped_mm`: one kernel per projection on GPU; on CPU as fast as the loop or faster (float32 and bf16).
     `use_grouped_mm = False` loops over the experts (the reference). Both give the same result. torch.compile traces
-    `torch._grouped_mm` in bf16 only (its meta kernel): float32 grouped matmuls break a compiled graph there.
+    `torch._grouped_mm` in bf16 only (its meta kernel): float32 grouped matmuls run eagerly (`grouped_mm`), a graph
+    break there.
 
     Mixed precision: `torch._grouped_mm` has no autocast rule, so under autocast the grouped path casts the rows and
     the weights to the autocast dtype itself (as autocast does for the dense linears and for the loop's matmuls); the
@@ -105,13 +106,27 @@ class GroupedExperts(nn.Module):
         dtype = grouped_mm_dtype(x_MD.device.type, gate_EFD.dtype)
         x_MD, gate_EFD, up_EFD, down_EDF = (t.to(dtype) for t in (x_MD, gate_EFD, up_EFD, down_EDF))
         offsets_E = counts_E.cumsum(0).to(torch.int32)
-        gate_MF = torch._grouped_mm(x_MD, gate_EFD.transpose(-2, -1), offs=offsets_E)
-        up_MF = torch._grouped_mm(x_MD, up_EFD.transpose(-2, -1), offs=offsets_E)
-        return torch._grouped_mm(F.silu(gate_MF) * up_MF, down_EDF.transpose(-2, -1), offs=offsets_E)
+        gate_MF = grouped_mm(x_MD, gate_EFD.transpose(-2, -1), offsets_E)
+        up_MF = grouped_mm(x_MD, up_EFD.transpose(-2, -1), offsets_E)
+        return grouped_mm(F.silu(gate_MF) * up_MF, down_EDF.transpose(-2, -1), offsets_E)
 
     def init_weights(self, std: float) -> None:
         for weight in (self.gate_proj, self.up_proj, self.down_proj):
             nn.init.normal_(weight, mean=0.0, std=std)
+
+
+def grouped_mm(a_MI: Tensor, b_EIO: Tensor, offsets_E: Tensor) -> Tensor:
+    """torch._grouped_mm(a, b, offs=offsets). Its meta kernel (what torch.compile traces) takes bf16 only, and a
+    float32 call raised inside the compiled graph (measured with FSDP x EP, torch 2.11 and 2.13): outside bf16,
+    under torch.compile, it runs eagerly instead (a graph break; float32 is the reference dtype, not a fast path)."""
+    if a_MI.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        return _eager_grouped_mm(a_MI, b_EIO, offsets_E)
+    return torch._grouped_mm(a_MI, b_EIO, offs=offsets_E)
+
+
+@torch.compiler.disable
+def _eager_grouped_mm(a_MI: Tensor, b_EIO: Tensor, offsets_E: Tensor) -> Tensor:
+    return torch._grouped_mm(a_MI, b_EIO, offs=offsets_E)
 
 
 def grouped_mm_dtype(device_type: str, weight_dtype: torch.dtype) -> torch.dtype:

@@ -12,7 +12,7 @@ Legend: M = routed (token, expert) rows sorted by expert, D = hidden size, F = e
 import torch
 from torch import Tensor, nn
 
-from slipstream.models.common.moe import GroupedExperts, _local, grouped_mm_dtype
+from slipstream.models.common.moe import GroupedExperts, _local, grouped_mm, grouped_mm_dtype
 
 
 def clamped_swiglu(gate_up_M2F: Tensor, alpha: float, limit: float) -> Tensor:
@@ -60,9 +60,9 @@ class BiasedClampedExperts(GroupedExperts):
         # Each row's expert, to add that expert's biases (output_size: no host sync, compile keeps the graph).
         experts_E = torch.arange(gate_up_E2F.shape[0], device=x_MD.device)
         expert_M = torch.repeat_interleave(experts_E, counts_E, output_size=x_MD.shape[0])
-        gate_up_M2F = torch._grouped_mm(x_MD, gate_up_ED2F, offs=offsets_E) + gate_up_E2F[expert_M].to(dtype)
+        gate_up_M2F = grouped_mm(x_MD, gate_up_ED2F, offsets_E) + gate_up_E2F[expert_M].to(dtype)
         h_MF = clamped_swiglu(gate_up_M2F, self.alpha, self.limit)
-        return torch._grouped_mm(h_MF, down_EFD, offs=offsets_E) + down_ED[expert_M].to(dtype)
+        return grouped_mm(h_MF, down_EFD, offsets_E) + down_ED[expert_M].to(dtype)
 
     def init_weights(self, std: float) -> None:
         """As transformers: normal weights, zero biases."""

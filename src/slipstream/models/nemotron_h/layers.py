@@ -18,6 +18,7 @@ from slipstream.models.common.moe import (
     GroupedExperts,
     MoE,
     _local,
+    grouped_mm,
     grouped_mm_dtype,
     mix_experts,
 )
@@ -173,8 +174,8 @@ class Relu2Experts(GroupedExperts):
             dtype = grouped_mm_dtype(x_ML.device.type, up_EFL.dtype)
             x_ML, up_EFL, down_ELF = x_ML.to(dtype), up_EFL.to(dtype), down_ELF.to(dtype)
             offsets_E = counts_E.cumsum(0).to(torch.int32)
-            h_MF = relu2(torch._grouped_mm(x_ML, up_EFL.transpose(-2, -1), offs=offsets_E))
-            return torch._grouped_mm(h_MF, down_ELF.transpose(-2, -1), offs=offsets_E)
+            h_MF = relu2(grouped_mm(x_ML, up_EFL.transpose(-2, -1), offsets_E))
+            return grouped_mm(h_MF, down_ELF.transpose(-2, -1), offsets_E)
         outputs = []
         # Experts without rows still run (empty matmuls), so every expert weight gets a gradient (see GroupedExperts).
         for e, x_mL in enumerate(torch.split(x_ML, counts_E.tolist())):
