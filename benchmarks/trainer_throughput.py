@@ -26,7 +26,8 @@ MoE options: `--expert-loop` runs our experts one by one (the reference) instead
 gradients and float32 moments alone take 83.6 GiB, more than one H100. `--compare-anchor PATH` also runs the
 plain-transformers pure-bf16 anchor script (e.g. /work/shared/anchors/hf_moe/hf_moe_baseline.py: bf16 weights and
 optimizer states, transformers' grouped_mm experts; MoE shapes on CUDA only) in its own process and prints
-`vs_hf_pure_bf16: <ratio>`.
+`vs_hf_pure_bf16: <ratio>`; with `--num-samples N` > 1 pass benchmarks/moe_anchor_rows.py instead (the anchor's
+step on N batch rows, one sample each).
 
 `--impl custom` runs with torch.compile per block on CUDA (`--no-compile` to disable); the `hf` baseline is always
 plain transformers (sdpa attention, eager), with the same activation checkpointing, trainer LM head and optimizer,
@@ -452,6 +453,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--compare-torchtitan {args.compare_torchtitan}: no such file")
     if args.compare_anchor is not None and not args.compare_anchor.is_file():
         parser.error(f"--compare-anchor {args.compare_anchor}: no such file")
+    if args.compare_anchor is not None and args.num_samples > 1 and args.compare_anchor.name != "moe_anchor_rows.py":
+        parser.error(
+            "--compare-anchor with --num-samples > 1: the shared anchor runs one sequence; pass "
+            "benchmarks/moe_anchor_rows.py (the same step on one batch row per sample)"
+        )
     return args
 
 
@@ -537,6 +543,8 @@ def run_anchor_in_subprocess(args: argparse.Namespace) -> tuple[float, str]:
     """(tokens/s, its report line) of the pure-bf16 transformers anchor (`SEQ LAYERS grouped_mm`: its own random
     single-sample batch, full activation checkpointing, fused bf16 AdamW), run first in a fresh process."""
     cmd = [sys.executable, str(args.compare_anchor), str(args.seq_len), str(MOE_MODELS[args.model]), "grouped_mm"]
+    if args.num_samples > 1:  # moe_anchor_rows.py: one batch row per sample
+        cmd.append(str(args.num_samples))
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     lines = [line for line in proc.stdout.splitlines() if "tokens_per_s=" in line]
     if proc.returncode != 0 or not lines:
