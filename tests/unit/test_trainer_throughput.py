@@ -163,3 +163,29 @@ def test_varied_lengths_pack_a_new_rl_like_micro_batch_every_step(bench, capsys)
     assert re.fullmatch(r"tokens_per_s: \d+\.\d mfu: n/a", capsys.readouterr().out.strip().splitlines()[-1])
     with pytest.raises(SystemExit):
         bench.main([*argv, "--vary-lengths", "--compare-hf"])
+
+
+def test_packed_moe_anchor_takes_one_row_per_sample(bench, monkeypatch, tmp_path):
+    """With --num-samples > 1 the shared anchor (one sequence) is refused; benchmarks/moe_anchor_rows.py gets the
+    sample count as its ROWS argument and its tokens/s is parsed from its report line."""
+    import subprocess
+    from pathlib import Path
+
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    shared = tmp_path / "hf_moe_baseline.py"
+    shared.write_text("")
+    argv = ["--model", "qwen3-30b-a3b-4l", "--seq-len", "16384", "--num-samples", "8"]
+    with pytest.raises(SystemExit):
+        bench.parse_args([*argv, "--compare-anchor", str(shared)])
+    rows_script = Path(bench.__file__).parent / "moe_anchor_rows.py"
+    args = bench.parse_args([*argv, "--compare-anchor", str(rows_script)])
+    seen = {}
+
+    def fake_run(cmd, **kwargs):
+        seen["cmd"] = cmd
+        return subprocess.CompletedProcess(cmd, 0, stdout="H100 moe rows=8 step=0.3s tokens_per_s=55864 mfu=20%\n")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    tokens_per_s, line = bench.run_anchor_in_subprocess(args)
+    assert seen["cmd"][1:] == [str(rows_script), "16384", "4", "grouped_mm", "8"]
+    assert tokens_per_s == 55864.0 and "rows=8" in line
