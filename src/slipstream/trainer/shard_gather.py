@@ -1,7 +1,7 @@
 """Gathering a sharded model for the weight stream in few collectives: the tensors of several consecutive layers are
 cast to the published dtype on each rank (its shard only; a cast is elementwise, so the values are bit-identical to
 casting the whole tensor), all-gathered together in one flat collective per process group and dtype, and laid out
-whole by one fused copy.
+whole by one copy (`torch.split_with_sizes_copy`).
 
 Compared with unsharding each layer's FSDP unit (weight_export.HFWeightStream without a gatherer): one collective
 per chunk of about `CHUNK_BYTES` instead of one per layer, each of those with FSDP's own copy-in and copy-out, and
@@ -92,6 +92,20 @@ class _Gather:
     sources: list[_Source] = field(default_factory=list)
     send_numel: int = 0
     whole_numel: int = 0
+    slot_sizes: list[int] = field(default_factory=list)
+    """Each source's slot in a rank's send buffer (elements): ceil(R / n) rows."""
+    whole_sizes: list[int] = field(default_factory=list)
+    """Each source's whole tensor (elements)."""
+    even: bool = True
+    """Every rank holds the same rows of every source: each rank's slot is exactly its piece of the whole."""
+
+    def add(self, source: _Source) -> None:
+        self.sources.append(source)
+        self.slot_sizes.append(max(source.rows) * source.row_numel)
+        self.whole_sizes.append(math.prod(source.shape))
+        self.even = self.even and min(source.rows) == max(source.rows)
+        self.send_numel += self.slot_sizes[-1]
+        self.whole_numel += self.whole_sizes[-1]
 
 
 @dataclass
@@ -153,10 +167,7 @@ class ShardGatherer:
             gather = by_key.setdefault((id(axis.group), dtype), _Gather(axis, dtype))
             shape = tuple(getattr(module, attr).shape)
             rows = rows_per_rank(shape[0], axis.size)
-            source = _Source((k, i), shape, rows, gather.send_numel, gather.whole_numel)
-            gather.sources.append(source)
-            gather.send_numel += max(rows) * source.row_numel
-            gather.whole_numel += math.prod(shape)
+            gather.add(_Source((k, i), shape, rows, gather.send_numel, gather.whole_numel))
         self._planned[sharded] = list(by_key.values())
         return self._planned[sharded]
 
@@ -173,7 +184,7 @@ class ShardGatherer:
             device = gather.axis.device
             send = torch.empty(gather.send_numel, dtype=gather.dtype, device=device)
             # one split for every source's slot (each reserves ceil(R / n) rows), then a fused cast-and-copy
-            slots = send.split([max(s.rows) * s.row_numel for s in gather.sources])
+            slots = send.split(gather.slot_sizes)
             dsts, srcs = [], []
             for source, slot in zip(gather.sources, slots, strict=True):
                 local = self._local(source, gather.axis)
@@ -201,40 +212,42 @@ class ShardGatherer:
 
     @torch.no_grad()
     def finish(self, pending: Pending) -> dict[tuple[int, int], Tensor]:
-        """Wait for a chunk's gathers; its whole tensors by plan entry, laid out in one fused copy per gather.
+        """Wait for a chunk's gathers; its whole tensors by plan entry, laid out by one copy per gather.
 
-        `received` holds, rank after rank, every source's slot; where every rank holds the same number of rows of a
-        source (the common case) its slots, seen as [ranks, slot], are the whole tensor seen as [ranks, rows x
-        row]: one flat copy per source and rank, from views made by two splits and an unbind. Uneven sources copy
-        their valid rows rank by rank. Every pair is flat and contiguous, so on CUDA the list is one fused copy."""
+        `received` holds, rank after rank, every source's slot. Seen as [ranks, send], its columns split by slot are,
+        where every rank holds the same rows of every source (the common case), each whole tensor seen as [ranks,
+        piece]: `torch.split_with_sizes_copy` along dim 1 writes them all (one fused kernel on CUDA: what FSDP2
+        uses for its own copy-out). Otherwise the valid rows are copied rank by rank, in one `_foreach_copy_`."""
         out: dict[tuple[int, int], Tensor] = {}
         for gather, work, _, received in pending.works:
             work.wait()
             whole = torch.empty(gather.whole_numel, dtype=gather.dtype, device=received.device)
             size = gather.axis.size
-            slots = received.view(size, gather.send_numel).split([max(s.rows) * s.row_numel for s in gather.sources], 1)
-            wholes = whole.split([math.prod(s.shape) for s in gather.sources])
-            dsts, srcs = [], []
-            for source, slot_RS, whole_part in zip(gather.sources, slots, wholes, strict=True):
-                out[source.key] = whole_part.view(source.shape)
-                if min(source.rows) == max(source.rows):
-                    if whole_part.numel():
-                        # rank by rank, as flat pieces: pairs of equal sizes and strides, which CUDA's
-                        # _foreach_copy_ copies in fused launches (a [ranks, slot] view of `received` has other
-                        # strides than its destination and sends the whole list to one copy kernel per tensor)
-                        dsts.extend(whole_part.view(size, -1).unbind(0))
-                        srcs.extend(slot_RS.unbind(0))
-                    continue
-                row = 0
-                for c, rows in enumerate(source.rows):
-                    if rows:
-                        dsts.append(whole_part[row * source.row_numel : (row + rows) * source.row_numel])
-                        srcs.append(slot_RS[c, : rows * source.row_numel])
-                    row += rows
-            if dsts:
-                torch._foreach_copy_(dsts, srcs)
+            wholes = whole.split(gather.whole_sizes)
+            received_RS = received.view(size, gather.send_numel)
+            if gather.even:
+                targets = [part.view(size, -1) for part in wholes]
+                torch.split_with_sizes_copy(received_RS, gather.slot_sizes, dim=1, out=targets)
+            else:
+                _copy_rank_by_rank(gather, received_RS.split(gather.slot_sizes, 1), wholes)
+            for source, part in zip(gather.sources, wholes, strict=True):
+                out[source.key] = part.view(source.shape)
         pending.works.clear()  # the received buffers go before the next chunk's are allocated
         return out
+
+
+def _copy_rank_by_rank(gather: _Gather, slots: Sequence[Tensor], wholes: Sequence[Tensor]) -> None:
+    """Copy each rank's valid rows of every source from its slot (slots[s] is [ranks, slot]) into the whole."""
+    dsts, srcs = [], []
+    for source, slot_RS, whole_part in zip(gather.sources, slots, wholes, strict=True):
+        row = 0
+        for c, rows in enumerate(source.rows):
+            if rows:
+                dsts.append(whole_part[row * source.row_numel : (row + rows) * source.row_numel])
+                srcs.append(slot_RS[c, : rows * source.row_numel])
+            row += rows
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
 
 
 def _all_gather_flat(received: Tensor, send: Tensor, group: object):
