@@ -144,32 +144,34 @@ class ShardGatherer:
             total += size
         self.chunk_of = {k: j for j, groups in enumerate(self.chunks) for k in groups}
         self._planned: dict[tuple[tuple[int, int], ...], list[_Gather]] = {}
-        self.num_collectives = sum(len(self._gathers(groups)) for groups in self.chunks)
+        self.num_collectives = sum(len(self._gathers(groups)[0]) for groups in self.chunks)
         """All-gathers per version while every tensor is sharded."""
 
-    def _gathers(self, groups: list[int]) -> list[_Gather]:
+    def _gathers(self, groups: list[int]) -> tuple[list[_Gather], dict[tuple[int, int], Tensor]]:
         """The collectives of the layer groups `groups`: one per process group and dtype, over the tensors sharded
-        right now (planned once per set of such tensors, then reused: a version's stream asks for every chunk)."""
+        right now (planned once per set of such tensors, then reused: a version's stream asks for every chunk), and
+        this rank's shard of each of those tensors (read in the same pass: the host work is per tensor)."""
         from torch.distributed.tensor import DTensor
 
-        sharded = tuple(
-            (k, i)
-            for k in groups
-            for i, (module, attr, _, _) in enumerate(self.plan[k])
-            if (k, i) in self.axes and isinstance(getattr(module, attr), DTensor)
-        )
-        if sharded in self._planned:
-            return self._planned[sharded]
-        by_key: dict[tuple[int, torch.dtype], _Gather] = {}
-        for k, i in sharded:
-            module, attr, _, _ = self.plan[k][i]
-            axis, dtype = self.axes[(k, i)], self.dtypes[k][i]
-            gather = by_key.setdefault((id(axis.group), dtype), _Gather(axis, dtype))
-            shape = tuple(getattr(module, attr).shape)
-            rows = rows_per_rank(shape[0], axis.size)
-            gather.add(_Source((k, i), shape, rows, gather.send_numel, gather.whole_numel))
-        self._planned[sharded] = list(by_key.values())
-        return self._planned[sharded]
+        local: dict[tuple[int, int], Tensor] = {}
+        for k in groups:
+            for i, (module, attr, _, _) in enumerate(self.plan[k]):
+                if (k, i) in self.axes:
+                    tensor = getattr(module, attr)
+                    if isinstance(tensor, DTensor):
+                        local[(k, i)] = tensor._local_tensor  # what to_local() returns without grad, minus its cost
+        sharded = tuple(local)
+        if sharded not in self._planned:
+            by_key: dict[tuple[int, torch.dtype], _Gather] = {}
+            for k, i in sharded:
+                module, attr, _, _ = self.plan[k][i]
+                axis, dtype = self.axes[(k, i)], self.dtypes[k][i]
+                gather = by_key.setdefault((id(axis.group), dtype), _Gather(axis, dtype))
+                shape = tuple(getattr(module, attr).shape)
+                rows = rows_per_rank(shape[0], axis.size)
+                gather.add(_Source((k, i), shape, rows, gather.send_numel, gather.whole_numel))
+            self._planned[sharded] = list(by_key.values())
+        return self._planned[sharded], local
 
     def is_gathered(self, k: int, i: int) -> bool:
         return (k, i) in self.axes
@@ -180,17 +182,20 @@ class ShardGatherer:
         whose FSDP unit is unsharded right now (the root's after a forward) is left out: the stream takes it as it
         is (FSDP's state is the same on every rank, so every rank leaves out the same tensors)."""
         works = []
-        for gather in self._gathers(self.chunks[chunk]):
+        gathers, local = self._gathers(self.chunks[chunk])
+        for gather in gathers:
             device = gather.axis.device
             send = torch.empty(gather.send_numel, dtype=gather.dtype, device=device)
             # one split for every source's slot (each reserves ceil(R / n) rows), then a fused cast-and-copy
             slots = send.split(gather.slot_sizes)
             dsts, srcs = [], []
             for source, slot in zip(gather.sources, slots, strict=True):
-                local = self._local(source, gather.axis)
-                if local.numel():
-                    dsts.append(slot if slot.numel() == local.numel() else slot[: local.numel()])
-                    srcs.append(local.reshape(-1) if local.device == device else local.reshape(-1).to(device))
+                shard = local[source.key]
+                if shard.shape[0] != source.rows[gather.axis.rank]:
+                    raise RuntimeError(self._layout_error(source, shard, gather.axis))
+                if shard.numel():
+                    dsts.append(slot if slot.numel() == shard.numel() else slot[: shard.numel()])
+                    srcs.append(shard.reshape(-1) if shard.device == device else shard.reshape(-1).to(device))
             if dsts:
                 torch._foreach_copy_(dsts, srcs)  # the cast happens here
             received = torch.empty(gather.axis.size * gather.send_numel, dtype=gather.dtype, device=device)
@@ -198,17 +203,13 @@ class ShardGatherer:
             works.append((gather, work, send, received))
         return Pending(works)
 
-    def _local(self, source: _Source, axis: ShardAxis) -> Tensor:
-        """This rank's shard of `source`, checked against the layout the gather assumes."""
+    def _layout_error(self, source: _Source, shard: Tensor, axis: ShardAxis) -> str:
         k, i = source.key
         module, attr, _, _ = self.plan[k][i]
-        local = getattr(module, attr).to_local()
-        if local.shape[0] != source.rows[axis.rank]:
-            raise RuntimeError(
-                f"{attr} of {type(module).__name__}: this rank holds {local.shape[0]} rows, torch.chunk says "
-                f"{source.rows[axis.rank]}: the shard layout is not the one this gather assumes"
-            )
-        return local
+        return (
+            f"{attr} of {type(module).__name__}: this rank holds {shard.shape[0]} rows, torch.chunk says "
+            f"{source.rows[axis.rank]}: the shard layout is not the one this gather assumes"
+        )
 
     @torch.no_grad()
     def finish(self, pending: Pending) -> dict[tuple[int, int], Tensor]:
