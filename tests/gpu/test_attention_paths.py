@@ -138,6 +138,37 @@ def test_checkpointing_keeps_flex_attention_outputs(keep_attention):
     rerun the flex forward kernel (it did before flex_attention joined parallel/ac.py's saved ops: measured on an
     H100, the 8 x 2048 step ran it twice per block); full checkpointing reruns it once per block."""
     from slipstream.config.trainer import ParallelConfig
+
+    parallel = ParallelConfig(activation_checkpointing=True, activation_checkpointing_keep_attention=keep_attention)
+    cfg, step = flex_training_step(parallel)
+    step()  # compile
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    forward = [n for n in names if "flex_attention" in n and "backward" not in n]
+    backward = [n for n in names if "flex_attention_backward" in n]
+    blocks = cfg.num_hidden_layers
+    assert backward, names
+    assert len(forward) == (blocks if keep_attention else 2 * blocks), forward
+
+
+def test_flex_blocks_do_not_recompile_after_the_first_step():
+    """The compiled flex kernel is made outside the compiled blocks: made inside the first trace, its list's
+    emptiness was a guard that failed at the second step and recompiled every block once more (measured on an
+    H100 with TORCH_LOGS=recompiles). The same shapes again must now run without any recompilation."""
+    from slipstream.config.trainer import ParallelConfig
+
+    torch._dynamo.reset()
+    _, step = flex_training_step(ParallelConfig())
+    step()  # compile
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        step()
+
+
+def flex_training_step(parallel):
+    """(config, step): a tiny Qwen3 on CUDA with packed_attention = "flex", parallelized with compiled blocks
+    under `parallel`, and a step that runs forward and backward on three packed samples."""
     from slipstream.parallel.fsdp import parallelize_model
     from slipstream.trainer.policy import Policy
 
@@ -145,7 +176,6 @@ def test_checkpointing_keeps_flex_attention_outputs(keep_attention):
     cfg = build_config("qwen3", vocab_size=512, eos_token_id=2, pad_token_id=0)
     model = build_model(cfg, "custom").to(CUDA)
     model.packed_attention = "flex"
-    parallel = ParallelConfig(activation_checkpointing=True, activation_checkpointing_keep_attention=keep_attention)
     policy = parallelize_model(Policy(model), None, parallel, torch.bfloat16, compile=True)
     lengths = [300, 212, 500]
     input_ids_T = torch.randint(3, 512, (sum(lengths),), device=CUDA)
@@ -157,13 +187,4 @@ def test_checkpointing_keeps_flex_attention_outputs(keep_attention):
             logprobs_T, _ = policy(input_ids_T, position_ids_T, temperatures_T)
         logprobs_T.float().sum().backward()
 
-    step()  # compile
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    forward = [n for n in names if "flex_attention" in n and "backward" not in n]
-    backward = [n for n in names if "flex_attention_backward" in n]
-    blocks = cfg.num_hidden_layers
-    assert backward, names
-    assert len(forward) == (blocks if keep_attention else 2 * blocks), forward
+    return cfg, step

@@ -110,3 +110,24 @@ def test_the_trainer_refuses_flex_off_gpus(tiny_model_factory, tmp_path):
     )
     with pytest.raises(ValueError, match="'flex' is a GPU kernel .* use packed_attention = 'varlen' there"):
         setup_trainer(config)
+
+
+def test_compiled_flex_kernel_made_once_and_outside_traces_guards_nothing_new():
+    """`compiled_flex_attention` makes the kernel once (the same object after); made before a compiled function
+    that fetches it (as the model's forward does when it picks a flex layout on CUDA), the function does not
+    recompile on its next call (made inside the first trace, the list's emptiness was a guard that failed)."""
+    from slipstream.models.common import attention
+
+    attention._COMPILED_FLEX.clear()
+    kernel = attention.compiled_flex_attention()
+    assert attention.compiled_flex_attention() is kernel and attention._COMPILED_FLEX == [kernel]
+
+    def block(x):
+        attention.compiled_flex_attention()  # fetched, as flex_attention_call does inside compiled blocks
+        return x * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block)
+    compiled(torch.ones(4))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        torch.testing.assert_close(compiled(torch.ones(4)), torch.full((4,), 2.0))

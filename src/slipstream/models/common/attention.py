@@ -113,6 +113,8 @@ def build_attention_layout(
         mask_B1tT = build_shard_causal_mask(context, position_ids_BT.shape[-1])
         return AttentionLayout("context_parallel", position_ids_BT, context=context, mask_B1TT=mask_B1tT)
     if packed == "flex" and not _one_sample_per_row(position_ids_BT):
+        if position_ids_BT.device.type == "cuda":
+            compiled_flex_attention()  # made here, outside the compiled blocks that call it
         return AttentionLayout("flex", position_ids_BT, block_mask=build_block_mask(position_ids_BT))
     if position_ids_BT.device.type != "cuda":
         return AttentionLayout("reference", position_ids_BT)
@@ -163,6 +165,18 @@ def build_block_mask(position_ids_BT: Tensor):
 
 
 _COMPILED_FLEX: list = []
+"""torch.compile(flex_attention), made once, outside compiled blocks (when a flex layout is chosen): made inside the
+first trace, the list's emptiness was a guard of that graph, which failed at the next call and recompiled every
+block once more (seen with TORCH_LOGS=recompiles on an H100)."""
+
+
+def compiled_flex_attention():
+    """The compiled flex_attention kernel (its fused CUDA kernel), created on first use."""
+    if not _COMPILED_FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED_FLEX.append(torch.compile(flex_attention))
+    return _COMPILED_FLEX[0]
 
 
 def flex_attention_call(q_BHTK: Tensor, k_BGTK: Tensor, v_BGTK: Tensor, block_mask) -> Tensor:
@@ -173,11 +187,7 @@ def flex_attention_call(q_BHTK: Tensor, k_BGTK: Tensor, v_BGTK: Tensor, block_ma
     device_type = q_BHTK.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else q_BHTK.dtype
     q_BHTK, k_BGTK, v_BGTK = q_BHTK.to(dtype), k_BGTK.to(dtype), v_BGTK.to(dtype)
-    fn = flex_attention
-    if device_type == "cuda":
-        if not _COMPILED_FLEX:
-            _COMPILED_FLEX.append(torch.compile(flex_attention))
-        fn = _COMPILED_FLEX[0]
+    fn = compiled_flex_attention() if device_type == "cuda" else flex_attention
     with torch.autocast(device_type, enabled=False):
         return fn(q_BHTK, k_BGTK, v_BGTK, block_mask=block_mask, enable_gqa=True)
 
