@@ -343,3 +343,15 @@ def test_trainer_setup_applies_fp8_and_steps_on_cpu(tiny_model_factory, tmp_path
     assert metrics["grad_norm"] > 0
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert "layers.0.attn.q_proj.weight" in changed and "layers.0.mlp.experts.gate_proj" in changed
+
+
+def test_expert_weight_grads_in_bf16_are_one_grouped_gemm_equal_to_the_loop():
+    """The FP8 experts' weight gradients in bf16 (the autocast path) come from one grouped GEMM; they equal the
+    per-expert matmuls up to bf16 rounding, and an expert without rows gets exact zeros."""
+    from slipstream.models.common.fp8 import _expert_weight_grads
+
+    x, grad_y, counts = randn(40, 256, seed=20).bfloat16(), randn(40, 128, seed=21).bfloat16(), [7, 0, 21, 12]
+    got = _expert_weight_grads(x, grad_y, counts)
+    assert got.shape == (4, 128, 256) and got.dtype == torch.bfloat16 and (got[1] == 0).all()
+    want = [g.float().t() @ xe.float() for g, xe in zip(grad_y.split(counts), x.split(counts), strict=True)]
+    torch.testing.assert_close(got.float(), torch.stack(want), rtol=2e-2, atol=2e-2)

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from slipstream.models.common.attention import Attention
 from slipstream.models.common.mlp import SwiGLU
-from slipstream.models.common.moe import GroupedExperts, _local
+from slipstream.models.common.moe import GroupedExperts, _local, grouped_mm
 from slipstream.models.common.transformer import DecoderLM
 
 BLOCK = 128
@@ -272,16 +272,27 @@ class _Fp8ExpertLinearFunction(torch.autograd.Function):
         grad_x_MI = grad_w_EOI = None
         if ctx.needs_input_grad[0]:
             q_EOI, scale_EBB = quantize_weight_blocks(w_EOI)
+            # every expert's weight transposed in one copy (the GEMM wants W^T row-major), not one per expert
+            q_EIO, scale_EBB_t = q_EOI.transpose(-2, -1).contiguous(), scale_EBB.transpose(-2, -1)
             q_MO, scale_MB = quantize_activation_tiles(grad_y_MO)
-            grad_x_MI = _per_expert(
-                q_MO, scale_MB, ctx.counts, lambda e: (q_EOI[e].t().contiguous(), scale_EBB[e].t()), ctx.x_dtype
-            )
+            grad_x_MI = _per_expert(q_MO, scale_MB, ctx.counts, lambda e: (q_EIO[e], scale_EBB_t[e]), ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            grad_w_EOI = torch.empty_like(w_EOI)
-            rows = zip(torch.split(grad_y_MO.to(x_MI.dtype), ctx.counts), torch.split(x_MI, ctx.counts), strict=True)
-            for e, (grad_y_mO, x_mI) in enumerate(rows):
-                grad_w_EOI[e] = grad_y_mO.t() @ x_mI  # an expert without rows gets a zero gradient
+            grad_w_EOI = _expert_weight_grads(x_MI, grad_y_MO.to(x_MI.dtype), ctx.counts).to(w_EOI.dtype)
         return grad_x_MI, grad_w_EOI, None, None
+
+
+def _expert_weight_grads(x_MI: Tensor, grad_y_MO: Tensor, counts: list[int]) -> Tensor:
+    """grad_w_EOI[e] = grad_y[rows of e]^T @ x[rows of e] (zero for an expert without rows), in the compute dtype:
+    one grouped GEMM (what torch's own backward of `torch._grouped_mm` runs for bf16 experts) in bf16 and on CPU,
+    else one matmul per expert."""
+    if x_MI.dtype == torch.bfloat16 or x_MI.device.type == "cpu":
+        offsets_E = torch.tensor(counts, device=x_MI.device).cumsum(0).to(torch.int32)
+        return grouped_mm(x_MI.t(), grad_y_MO, offsets_E).transpose(-2, -1)
+    grad_w_EOI = x_MI.new_empty(len(counts), grad_y_MO.shape[1], x_MI.shape[1])
+    rows = zip(torch.split(grad_y_MO, counts), torch.split(x_MI, counts), strict=True)
+    for e, (grad_y_mO, x_mI) in enumerate(rows):
+        grad_w_EOI[e] = grad_y_mO.t() @ x_mI
+    return grad_w_EOI
 
 
 def _per_expert(q_MI: Tensor, scale_MB: Tensor, counts: list[int], weight_of, out_dtype) -> Tensor:
