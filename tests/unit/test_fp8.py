@@ -355,3 +355,20 @@ def test_expert_weight_grads_in_bf16_are_one_grouped_gemm_equal_to_the_loop():
     assert got.shape == (4, 128, 256) and got.dtype == torch.bfloat16 and (got[1] == 0).all()
     want = [g.float().t() @ xe.float() for g, xe in zip(grad_y.split(counts), x.split(counts), strict=True)]
     torch.testing.assert_close(got.float(), torch.stack(want), rtol=2e-2, atol=2e-2)
+
+
+def test_expert_gemms_on_padded_layout_equal_the_unpadded_ones():
+    """The experts' operands are laid out once for cuBLASLt (rows of each expert padded to 16 by one scatter, a
+    768-wide reduction padded to 4 blocks); each expert's rows come back equal to its GEMM on the unpadded
+    operands (float32 reference, up to the order of its sums), empty experts included."""
+    from slipstream.models.common.fp8 import _per_expert
+
+    counts = [0, 5, 17, 32, 0, 3]
+    (qx, sx), (qw, sw) = (
+        quantize_activation_tiles(randn(57, 768, seed=30)),
+        quantize_weight_blocks(randn(6, 256, 768, scale=0.05)),
+    )
+    y = _per_expert(qx, sx, counts, qw, sw, torch.float32)
+    pieces = zip(qx.split(counts), sx.split(counts), strict=True)
+    want = torch.cat([block_matmul_reference(q, s, qw[e], sw[e]) for e, (q, s) in enumerate(pieces)])
+    torch.testing.assert_close(y, want)

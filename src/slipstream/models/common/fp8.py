@@ -34,6 +34,7 @@ M = routed (token, expert) rows sorted by expert, B = 128-wide blocks along a di
 
 import functools
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -136,19 +137,43 @@ def cublas_padded_operands(q_NI: Tensor, scale_NB: Tensor, q_OI: Tensor, scale_B
     """(q_NI, scale_NB, q_OI, scale_BB) zero-padded to what cuBLASLt computes right: rows to a multiple of
     ROW_MULTIPLE, the reduction dim to a multiple of REDUCTION_BLOCKS_MULTIPLE blocks (zeros in the values, scale 1
     in the new blocks: the padded products add exact zeros, so the first N rows of the result are unchanged)."""
-    num_rows, num_in = q_NI.shape
-    pad_rows = -num_rows % ROW_MULTIPLE
-    width = REDUCTION_BLOCKS_MULTIPLE * BLOCK
-    pad_in = -num_in % width if _blocks(num_in) % REDUCTION_BLOCKS_MULTIPLE else 0
-    if pad_rows == 0 and pad_in == 0:
-        return q_NI, scale_NB, q_OI, scale_BB
-    pad_blocks = _blocks(num_in + pad_in) - scale_NB.shape[1]
-    # F.pad has no float8 kernels: pad the raw bytes (0x00 is +0.0 in e4m3).
-    q_NI = F.pad(q_NI.view(torch.uint8), (0, pad_in, 0, pad_rows)).view(FP8_DTYPE)
-    q_OI = F.pad(q_OI.view(torch.uint8), (0, pad_in)).view(FP8_DTYPE)
-    scale_NB = F.pad(scale_NB, (0, pad_blocks, 0, pad_rows), value=1.0)
-    scale_BB = F.pad(scale_BB, (0, pad_blocks), value=1.0)
+    pad_in = _reduction_pad(q_NI.shape[1])
+    if pad_in:
+        q_NI, scale_NB = _pad_reduction(q_NI, scale_NB, pad_in)
+        q_OI, scale_BB = _pad_reduction(q_OI, scale_BB, pad_in)
+    pad_rows = -q_NI.shape[0] % ROW_MULTIPLE
+    if pad_rows:
+        q_NI = F.pad(q_NI.view(torch.uint8), (0, 0, 0, pad_rows)).view(FP8_DTYPE)
+        scale_NB = F.pad(scale_NB, (0, 0, 0, pad_rows), value=1.0)
     return q_NI, scale_NB, q_OI, scale_BB
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return n + (-n % multiple)
+
+
+def _reduction_pad(num_in: int) -> int:
+    """Zeros to append to a reduction dim of `num_in` so that its blocks are a multiple of REDUCTION_BLOCKS_MULTIPLE."""
+    if _blocks(num_in) % REDUCTION_BLOCKS_MULTIPLE == 0:
+        return 0
+    return _round_up(num_in, REDUCTION_BLOCKS_MULTIPLE * BLOCK) - num_in
+
+
+def _pad_reduction(q_xI: Tensor, scale_xB: Tensor, pad_in: int) -> tuple[Tensor, Tensor]:
+    """The last (reduction) dim of a quantized operand and of its block scales extended by `pad_in` zeros (scale 1
+    for the new blocks); any leading dims (experts). F.pad has no float8 kernels: the raw bytes are padded (0x00 is
+    +0.0 in e4m3)."""
+    pad_blocks = _blocks(q_xI.shape[-1] + pad_in) - scale_xB.shape[-1]
+    q_xI = F.pad(q_xI.view(torch.uint8), (0, pad_in)).view(FP8_DTYPE)
+    return q_xI, F.pad(scale_xB, (0, pad_blocks), value=1.0)
+
+
+def _scatter_rows(t_NX: Tensor, index_N: Tensor, rows: int) -> Tensor:
+    """[rows, X] with row index_N[n] = t_NX[n] and the others zero (quantized values) or one (scales)."""
+    if t_NX.dtype == FP8_DTYPE:
+        out = torch.zeros(rows, t_NX.shape[1], dtype=torch.uint8, device=t_NX.device)
+        return out.index_copy_(0, index_N, t_NX.view(torch.uint8)).view(FP8_DTYPE)
+    return torch.ones(rows, t_NX.shape[1], dtype=t_NX.dtype, device=t_NX.device).index_copy_(0, index_N, t_NX)
 
 
 def _cuda_block_matmul(q_NI: Tensor, scale_NB: Tensor, q_OI: Tensor, scale_BB: Tensor, out_dtype) -> Tensor:
@@ -264,7 +289,7 @@ class _Fp8ExpertLinearFunction(torch.autograd.Function):
         ctx.counts, ctx.x_dtype = counts, x_MI.dtype
         q_MI, scale_MB = quantize_activation_tiles(x_MI)
         q_EOI, scale_EBB = quantize_weight_blocks(w_EOI)
-        return _per_expert(q_MI, scale_MB, counts, lambda e: (q_EOI[e], scale_EBB[e]), out_dtype)
+        return _per_expert(q_MI, scale_MB, counts, q_EOI, scale_EBB, out_dtype)
 
     @staticmethod
     def backward(ctx, grad_y_MO: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
@@ -275,7 +300,7 @@ class _Fp8ExpertLinearFunction(torch.autograd.Function):
             # every expert's weight transposed in one copy (the GEMM wants W^T row-major), not one per expert
             q_EIO, scale_EBB_t = q_EOI.transpose(-2, -1).contiguous(), scale_EBB.transpose(-2, -1)
             q_MO, scale_MB = quantize_activation_tiles(grad_y_MO)
-            grad_x_MI = _per_expert(q_MO, scale_MB, ctx.counts, lambda e: (q_EIO[e], scale_EBB_t[e]), ctx.x_dtype)
+            grad_x_MI = _per_expert(q_MO, scale_MB, ctx.counts, q_EIO, scale_EBB_t, ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             grad_w_EOI = _expert_weight_grads(x_MI, grad_y_MO.to(x_MI.dtype), ctx.counts).to(w_EOI.dtype)
         return grad_x_MI, grad_w_EOI, None, None
@@ -295,11 +320,32 @@ def _expert_weight_grads(x_MI: Tensor, grad_y_MO: Tensor, counts: list[int]) -> 
     return grad_w_EOI
 
 
-def _per_expert(q_MI: Tensor, scale_MB: Tensor, counts: list[int], weight_of, out_dtype) -> Tensor:
+def _per_expert(
+    q_MI: Tensor, scale_MB: Tensor, counts: list[int], q_EOI: Tensor, scale_EBB: Tensor, out_dtype
+) -> Tensor:
+    """y_MO: the rows of expert e (`counts[e]` of them, in order) times expert e's quantized weight, one GEMM per
+    expert. The operands are laid out once for all experts as cuBLASLt wants them (every expert's rows padded to a
+    multiple of ROW_MULTIPLE by one scatter, the reduction dim padded once), so no GEMM copies its operands."""
+    pad_in = _reduction_pad(q_MI.shape[1])
+    if pad_in:
+        q_MI, scale_MB = _pad_reduction(q_MI, scale_MB, pad_in)
+        q_EOI, scale_EBB = _pad_reduction(q_EOI, scale_EBB, pad_in)
+    rows = [_round_up(n, ROW_MULTIPLE) for n in counts]
+    index_M = None
+    if rows != counts:
+        index_M = _padded_row_index(counts, rows).to(q_MI.device, non_blocking=True)
+        q_MI, scale_MB = _scatter_rows(q_MI, index_M, sum(rows)), _scatter_rows(scale_MB, index_M, sum(rows))
     outputs = []
-    for e, (q_mI, scale_mB) in enumerate(zip(torch.split(q_MI, counts), torch.split(scale_MB, counts), strict=True)):
-        outputs.append(scaled_block_matmul(q_mI, scale_mB, *weight_of(e), out_dtype))
-    return torch.cat(outputs)
+    for e, (q_mI, scale_mB) in enumerate(zip(torch.split(q_MI, rows), torch.split(scale_MB, rows), strict=True)):
+        outputs.append(scaled_block_matmul(q_mI, scale_mB, q_EOI[e], scale_EBB[e], out_dtype))
+    y_MO = torch.cat(outputs)
+    return y_MO if index_M is None else y_MO.index_select(0, index_M)
+
+
+def _padded_row_index(counts: list[int], rows: list[int]) -> Tensor:
+    """Where each of the sum(counts) rows sits once every expert's block of rows starts at its padded offset."""
+    shift_E = np.cumsum([0, *rows[:-1]]) - np.cumsum([0, *counts[:-1]])
+    return torch.from_numpy(np.arange(sum(counts)) + np.repeat(shift_E, counts))
 
 
 def fp8_expert_linear(x_MI: Tensor, w_EOI: Tensor, counts_E: Tensor) -> Tensor:
