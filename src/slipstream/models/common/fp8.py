@@ -348,9 +348,11 @@ def _padded_row_index(counts: list[int], rows: list[int]) -> Tensor:
     return torch.from_numpy(np.arange(sum(counts)) + np.repeat(shift_E, counts))
 
 
-def fp8_expert_linear(x_MI: Tensor, w_EOI: Tensor, counts_E: Tensor) -> Tensor:
-    """y_MO: each expert's rows through its own projection, by FP8 block-scaled GEMMs (differentiable)."""
-    return _Fp8ExpertLinearFunction.apply(x_MI, w_EOI, counts_E.tolist(), _compute_dtype(x_MI))
+def fp8_expert_linear(x_MI: Tensor, w_EOI: Tensor, counts_E: Tensor | list[int]) -> Tensor:
+    """y_MO: each expert's rows through its own projection, by FP8 block-scaled GEMMs (differentiable). The rows per
+    expert as a list spare a host sync (the GEMMs are split on the host)."""
+    counts = counts_E.tolist() if isinstance(counts_E, Tensor) else counts_E
+    return _Fp8ExpertLinearFunction.apply(x_MI, w_EOI, counts, _compute_dtype(x_MI))
 
 
 class Fp8GroupedExperts(GroupedExperts):
@@ -361,8 +363,9 @@ class Fp8GroupedExperts(GroupedExperts):
 
     def forward(self, x_MD: Tensor, counts_E: Tensor) -> Tensor:
         gate_EFD, up_EFD, down_EDF = (_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
-        h_MF = F.silu(fp8_expert_linear(x_MD, gate_EFD, counts_E)) * fp8_expert_linear(x_MD, up_EFD, counts_E)
-        return fp8_expert_linear(h_MF, down_EDF, counts_E)
+        counts = counts_E.tolist()  # one host sync for the three projections
+        h_MF = F.silu(fp8_expert_linear(x_MD, gate_EFD, counts)) * fp8_expert_linear(x_MD, up_EFD, counts)
+        return fp8_expert_linear(h_MF, down_EDF, counts)
 
 
 def apply_fp8(model: nn.Module, device: torch.device | str) -> dict[str, int]:
