@@ -1,8 +1,11 @@
-"""Weight transfer benchmark (GPU): the trainer's weight stream (trainer/weight_export.py: FSDP shards cast to bf16
-and all-gathered a chunk of layers at a time by trainer/shard_gather.py, HF names; each layer copied into reused
-dtype-grouped bucket buffers; rank 0 broadcasts each bucket while the next layers are gathered)
-into receiver processes running the receive-and-load code of Slipstream's vLLM engine (transport/weight_receiver.py;
-"load" copies every tensor into the receiver's own preallocated bf16 parameters, as vLLM's load_weights does).
+"""Weight transfer benchmark (GPU): the trainer's weight stream, both ways `slipstream rl` sends it, into receiver
+processes running the receive-and-load code of Slipstream's vLLM engine (transport/weight_receiver.py; "load" copies
+every tensor into the receiver's own preallocated bf16 parameters, as vLLM's load_weights does):
+- `pieces` (what the trainer uses when the model's sharding allows, trainer/piece_send.py): every trainer rank casts
+  its own rows of each bucket into a reused buffer and broadcasts them; receivers lay the bucket out whole;
+- `gather` (the fallback, trainer/weight_export.py): FSDP shards cast to bf16 and all-gathered a chunk of layers at a
+  time by trainer/shard_gather.py, each layer copied into reused dtype-grouped bucket buffers, rank 0 broadcasting
+  each bucket while the next layers are gathered.
 
 Scenarios (those that fit the visible GPUs):
 - `1to1`: trainer on GPU 0 -> one receiver on GPU 1;
@@ -10,10 +13,11 @@ Scenarios (those that fit the visible GPUs):
 Models: Qwen3-0.6B's shape, and Qwen3-30B-A3B's shape cut to 8 layers (random weights; float32 masters as in
 training). Reported next to each: raw NCCL broadcast bandwidth of the same group (512 MiB buffer), measured in the same
 run, and the filesystem path (the same stream written as safetensors shards, then read and loaded by the receivers).
-`transfer_efficiency` = stream GB/s / raw broadcast GB/s; the lowest over all runs is printed last.
+`transfer_efficiency` = stream GB/s / raw broadcast GB/s of the same group; the lowest over all runs of the path
+the trainer takes (`pieces`) is printed last.
 
     python benchmarks/weight_transfer.py [--scenarios 1to1,fsdp2] [--models qwen3-0.6b,qwen3-30b-a3b-8l] [--bucket-mb 512]
-        [--skip-filesystem] [--profile DIR]
+        [--paths pieces,gather] [--skip-filesystem] [--profile DIR]
 """
 
 import argparse
@@ -53,10 +57,22 @@ DEFAULT_MODELS = ("qwen3-0.6b", "qwen3-30b-a3b-8l")
 SCENARIOS = {"1to1": (1, 1), "fsdp2": (2, 2)}
 """name -> (trainer ranks, receivers)."""
 BUCKET_MB = 512
+PATHS = ("pieces", "gather")
 RAW_BYTES = 512 << 20
 """The raw broadcast baseline's buffer: 512 MiB whatever the bucket size, so a smaller bucket cannot lower the bar."""
 RAW_ITERS = 10
 REPEATS = 3
+DEVICE_TYPE = "cuda"
+"""`--device cpu` runs every path on gloo ranks (a smoke run of this benchmark's code; its figures mean nothing)."""
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if DEVICE_TYPE == "cuda" else torch.device("cpu")
+
+
+def _synchronize() -> None:
+    if DEVICE_TYPE == "cuda":
+        torch.cuda.synchronize()
 
 
 def build_model(name: str, device: torch.device, fsdp_mesh=None, layers: int | None = None) -> torch.nn.Module:
@@ -89,22 +105,67 @@ def build_model(name: str, device: torch.device, fsdp_mesh=None, layers: int | N
     return model
 
 
+def _raw(group, nbytes: int, results: dict, prefix: str = "") -> None:
+    """Rank 0 of `group`: the raw broadcast baseline (RAW_ITERS broadcasts of RAW_BYTES after a warm-up)."""
+    from slipstream.transport.weight_stream import broadcast
+
+    device = _device()
+    buf = torch.empty(max(RAW_BYTES, nbytes), dtype=torch.uint8, device=device)
+    broadcast(group, buf[:RAW_BYTES])  # warm-up
+    _synchronize()
+    start = time.perf_counter()
+    for _ in range(RAW_ITERS):
+        broadcast(group, buf[:RAW_BYTES])
+    _synchronize()
+    results[f"{prefix}raw_gbps"] = RAW_BYTES * RAW_ITERS / (time.perf_counter() - start) / 1e9
+
+
+def sender_pieces(rank: int, args: dict, pieces, manifest, group, results: dict) -> None:
+    """Trainer rank `rank` sends its own rows of each bucket (every trainer rank is a sender): raw broadcast
+    baseline of this group (rank 0), the stream into receivers that do not load, then the stream."""
+    device = _device()
+    if rank == 0:
+        _raw(group, 0, results, "pieces_")
+    else:
+        _receive_raw(group)
+    for phase in ("stream_noload", "stream"):
+        times = []
+        for _ in range(REPEATS + 1):  # the first is a warm-up
+            _trainer_barrier(args)
+            start = time.perf_counter()
+            pieces.send(group, device)
+            _sync(group)  # every receiver has loaded the last bucket
+            times.append(time.perf_counter() - start)
+        results[f"pieces_{phase}_s"] = min(times[1:])
+    if args["profile"]:
+        _trainer_barrier(args)
+        with _traced(args, "pieces-sender" if rank == 0 else None):
+            pieces.send(group, device)
+            _sync(group)
+    if rank == 0:
+        results["pieces_stream_gbps"] = manifest.nbytes / results["pieces_stream_s"] / 1e9
+
+
+def _receive_raw(group) -> None:
+    """A member of `group` other than rank 0: takes part in the raw baseline's broadcasts."""
+    from slipstream.transport.weight_stream import broadcast
+
+    buf = torch.empty(RAW_BYTES, dtype=torch.uint8, device=_device())
+    for _ in range(RAW_ITERS + 1):
+        broadcast(group, buf)
+
+
 def sender(rank: int, args: dict, stream, manifest, group, results: dict) -> None:
-    """Trainer rank `rank`: raw broadcast baseline, the plan's buckets broadcast bare, the stream into receivers that
-    do not load, the stream (each REPEATS times after a warm-up), then the filesystem path."""
+    """Trainer rank `rank`, rank 0 sending after a gather: raw broadcast baseline, the plan's buckets broadcast bare,
+    the stream into receivers that do not load, the stream (each REPEATS times after a warm-up), then the filesystem
+    path."""
     from slipstream.transport.bucket_assembly import BucketBuffers, stream_to
     from slipstream.transport.weight_stream import BroadcastSink, SafetensorsSink, broadcast
 
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = _device()
     if rank == 0:
-        buf = torch.empty(max(RAW_BYTES, *(b.nbytes for b in manifest.buckets)), dtype=torch.uint8, device=device)
-        broadcast(group, buf[:RAW_BYTES])  # warm-up
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(RAW_ITERS):
-            broadcast(group, buf[:RAW_BYTES])
-        torch.cuda.synchronize()
-        results["raw_gbps"] = RAW_BYTES * RAW_ITERS / (time.perf_counter() - start) / 1e9
+        _raw(group, 0, results)
+        buf = torch.empty(max(b.nbytes for b in manifest.buckets), dtype=torch.uint8, device=device)
         times = []
         for _ in range(REPEATS + 1):  # the plan's bucket sizes, no assembly, receivers do not load
             start = time.perf_counter()
@@ -169,10 +230,10 @@ def _time_assembly(stream, manifest, buffers, results: dict) -> None:
         return
     times = []
     for _ in range(REPEATS + 1):
-        torch.cuda.synchronize()
+        _synchronize()
         start = time.perf_counter()
         stream_to(stream, manifest, [_NullSink()], buffers)
-        torch.cuda.synchronize()
+        _synchronize()
         times.append(time.perf_counter() - start)
     results["assemble_s"] = min(times[1:])
 
@@ -198,9 +259,9 @@ def _traced(args: dict, name: str | None):
 
 def _sync(group) -> None:
     """Returns once every member got here (an all-reduce of one element: the sender cannot finish it early)."""
-    flag = torch.ones(1, device=torch.device("cuda", torch.cuda.current_device()))
+    flag = torch.ones(1, device=_device())
     group.allreduce([flag]).wait()
-    torch.cuda.synchronize()
+    _synchronize()
 
 
 def _trainer_barrier(args: dict) -> None:
@@ -208,13 +269,14 @@ def _trainer_barrier(args: dict) -> None:
         dist.barrier()
 
 
-def receiver(index: int, args: dict, init, manifest) -> None:
-    """Receiver `index`: joins the group, takes the stream REPEATS + 1 times and the folder once, loading each
-    tensor into its own preallocated parameters."""
+def receiver(index: int, args: dict, inits: dict, manifests: dict, results) -> None:
+    """Receiver `index`: for each path, joins its group and takes the stream REPEATS + 1 times without loading and
+    as many times loading each tensor into its own preallocated parameters (and, after a gather, the folder once).
+    With both paths, the parameters each left are compared bit for bit (`receiver<i>_paths_agree`)."""
     from slipstream.transport.weight_receiver import WeightReceiver
-    from slipstream.transport.weight_stream import broadcast, receive_buckets
 
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = _device()
+    manifest = manifests["gather"]
     params = {
         t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype), device=device)
         for b in manifest.buckets
@@ -225,25 +287,52 @@ def receiver(index: int, args: dict, init, manifest) -> None:
         for name, tensor in pairs:
             params[name].copy_(tensor, non_blocking=True)
 
-    rx = WeightReceiver(device, rank_in_receivers=index)
-    rx.join(init)
-    buf = torch.empty(RAW_BYTES, dtype=torch.uint8, device=device)
-    for _ in range(RAW_ITERS + 1):
-        broadcast(rx.group, buf)
-    for _ in range(REPEATS + 1):  # the plan's buckets, bare
-        for _pairs in receive_buckets(rx.group, manifest, device):
-            pass
-        _sync(rx.group)
-    del buf
+    loaded_by: dict[str, dict[str, torch.Tensor]] = {}
+    for path in args["paths"]:
+        for p in params.values():
+            p.fill_(float("nan"))  # a tensor the path leaves out cannot keep the other path's values
+        if path == "pieces":
+            rx = WeightReceiver(device, rank_in_receivers=index)
+            rx.join(inits["pieces"])
+            _receive_raw(rx.group)
+            _receive_stream(rx, manifests["pieces"], load, args, f"pieces-receiver{index}" if index == 0 else None)
+            rx.shutdown()
+        else:
+            _receive_gathered(index, args, inits["gather"], manifest, load)
+        loaded_by[path] = {n: p.clone() for n, p in params.items()}
+    if len(loaded_by) == 2:
+        a, b = loaded_by.values()
+        results[f"receiver{index}_paths_agree"] = all(
+            torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a
+        )
+
+
+def _receive_stream(rx, manifest, load, args: dict, trace: str | None) -> None:
+    """The stream REPEATS + 1 times without loading, as many times loading, then (--profile) once traced."""
     info = {"step": manifest.step, "manifest": manifest.to_dict()}
     for loader in (lambda pairs: None, load):  # stream_noload, then stream
         for _ in range(REPEATS + 1):
             rx.receive(info, loader)
             _sync(rx.group)
     if args["profile"]:
-        with _traced(args, f"receiver{index}" if index == 0 else None):
+        with _traced(args, trace):
             rx.receive(info, load)
             _sync(rx.group)
+
+
+def _receive_gathered(index: int, args: dict, init, manifest, load) -> None:
+    from slipstream.transport.bucket_receive import receive_buckets
+    from slipstream.transport.weight_receiver import WeightReceiver
+
+    device = _device()
+    rx = WeightReceiver(device, rank_in_receivers=index)
+    rx.join(init)
+    _receive_raw(rx.group)
+    for _ in range(REPEATS + 1):  # the plan's buckets, bare
+        for _pairs in receive_buckets(rx.group, manifest, device):
+            pass
+        _sync(rx.group)
+    _receive_stream(rx, manifest, load, args, f"receiver{index}" if index == 0 else None)
     if args["skip_filesystem"]:
         rx.shutdown()
         return
@@ -251,27 +340,39 @@ def receiver(index: int, args: dict, init, manifest) -> None:
     while not (folder / "READY").exists():
         time.sleep(0.01)
     rx.receive({"step": manifest.step, "path": str(folder)}, lambda pairs: load([(n, t.to(device)) for n, t in pairs]))
-    torch.cuda.synchronize()
+    _synchronize()
     _sync(rx.group)
     rx.shutdown()
 
 
 def worker(rank: int, args: dict, results) -> None:
+    from slipstream.trainer.piece_send import PieceSender
     from slipstream.trainer.weight_export import HFWeightStream
     from slipstream.transport.collective import GroupInit, open_group, open_store
     from slipstream.transport.weight_stream import Manifest, plan_buckets
 
     num_trainers, num_receivers = args["num_trainers"], args["num_receivers"]
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    init = GroupInit("nccl", "127.0.0.1", args["store_port"], "bench", 1 + num_receivers)
+    global DEVICE_TYPE, RAW_BYTES
+    DEVICE_TYPE = args["device"]
+    if DEVICE_TYPE == "cpu":
+        RAW_BYTES = 8 << 20  # a smoke run: no need to push 5.6 GB through loopback
+    backend = "nccl" if DEVICE_TYPE == "cuda" else "gloo"
+    if DEVICE_TYPE == "cuda":
+        torch.cuda.set_device(rank)
+    device = _device()
+    init = GroupInit(backend, "127.0.0.1", args["store_port"], "bench", 1 + num_receivers)
+    pieces_init = GroupInit(
+        backend, "127.0.0.1", args["store_port"], "pieces", num_trainers + num_receivers, num_trainers
+    )
+    inits = {"gather": init, "pieces": pieces_init}
     mesh = None
     if rank < num_trainers and num_trainers > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args["trainer_port"]))
-        dist.init_process_group("nccl", rank=rank, world_size=num_trainers, device_id=device)
+        device_id = device if DEVICE_TYPE == "cuda" else None
+        dist.init_process_group(backend, rank=rank, world_size=num_trainers, device_id=device_id)
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cuda", (num_trainers,))
+        mesh = init_device_mesh(DEVICE_TYPE, (num_trainers,))
     model = build_model(args["model"], device, mesh) if rank < num_trainers else None
     if model is not None:
         stream = HFWeightStream(model, torch.bfloat16)
@@ -280,23 +381,42 @@ def worker(rank: int, args: dict, results) -> None:
         stream = None
         metas = HFWeightStream(build_model(args["model"], torch.device("meta")), torch.bfloat16).metas()
     manifest = Manifest(1, tuple(plan_buckets(metas, args["bucket_mb"] << 20)))
-    if rank == 0:
-        store = open_store("127.0.0.1", args["store_port"], is_master=True, timeout_s=300)
-        group = open_group(store, init, 0, device)
+    store = open_store("127.0.0.1", args["store_port"], is_master=rank == 0, timeout_s=300)
+    if rank < num_trainers:
         out: dict = {}
-        sender(rank, args, stream, manifest, group, out)
-        out.update(bytes=manifest.nbytes, num_tensors=manifest.num_tensors, num_buckets=len(manifest.buckets))
-        results.update(out)
-    elif rank < num_trainers:
-        sender(rank, args, stream, manifest, None, {})
+        pieces = PieceSender(stream, manifest.buckets, rank, num_trainers)
+        if rank == 0:  # the receivers learn the rows table from the manifest, as from an offer
+            store.set("pieces_manifest", pieces.manifest(1).to_json())
+        for path in args["paths"]:
+            if path == "pieces":
+                group = open_group(store, pieces_init, rank, device)
+                sender_pieces(rank, args, pieces, manifest, group, out)
+                group.abort()
+            else:
+                group = open_group(store, init, 0, device) if rank == 0 else None
+                sender(rank, args, stream, manifest, group, out)
+                if group is not None:
+                    group.abort()
+        if rank == 0:
+            out.update(bytes=manifest.nbytes, num_tensors=manifest.num_tensors, num_buckets=len(manifest.buckets))
+            results.update(out)
     else:
-        receiver(rank - num_trainers, args, init, manifest)
+        import json
+
+        manifests = {"gather": manifest, "pieces": Manifest.from_dict(json.loads(store.get("pieces_manifest")))}
+        receiver(rank - num_trainers, args, inits, manifests, results)
     if num_trainers > 1 and rank < num_trainers:
         dist.destroy_process_group()
 
 
 def run(
-    scenario: str, model: str, bucket_mb: int = BUCKET_MB, skip_filesystem: bool = False, profile: str | None = None
+    scenario: str,
+    model: str,
+    bucket_mb: int = BUCKET_MB,
+    skip_filesystem: bool = False,
+    profile: str | None = None,
+    paths: tuple[str, ...] = PATHS,
+    device: str = "cuda",
 ) -> dict:
     num_trainers, num_receivers = SCENARIOS[scenario]
     fs_dir = Path(tempfile.mkdtemp(prefix="slipstream-wt-"))
@@ -311,13 +431,18 @@ def run(
         "skip_filesystem": skip_filesystem,
         "profile": profile,
         "scenario": scenario,
+        "paths": paths,
+        "device": device,
     }
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(worker, args=(args, results), nprocs=num_trainers + num_receivers, join=True)
         out = dict(results)
     shutil.rmtree(fs_dir, ignore_errors=True)
-    out.update(scenario=scenario, model=model, efficiency=out["stream_gbps"] / out["raw_gbps"])
+    out.update(scenario=scenario, model=model)
+    for path, prefix in (("gather", ""), ("pieces", "pieces_")):
+        if path in paths:
+            out[f"{prefix}efficiency"] = out[f"{prefix}stream_gbps"] / out[f"{prefix}raw_gbps"]
     return out
 
 
@@ -325,6 +450,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenarios", default="1to1,fsdp2")
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"of {', '.join(MODELS)}")
+    parser.add_argument(
+        "--paths",
+        default=",".join(PATHS),
+        help="pieces: every trainer rank sends its own rows (the trainer's path); gather: rank 0 sends after a gather",
+    )
     parser.add_argument(
         "--skip-filesystem",
         action="store_true",
@@ -340,9 +470,12 @@ def main() -> int:
         help="after the timed runs, trace one more stream version on trainer rank 0 and receiver 0 (Chrome JSON in "
         "DIR, one file per scenario, model and side)",
     )
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: gloo ranks, a smoke run (figures mean nothing)"
+    )
     cli = parser.parse_args()
-    num_gpus = torch.cuda.device_count()
-    gpu = torch.cuda.get_device_name(0) if num_gpus else "none"
+    num_gpus = torch.cuda.device_count() if cli.device == "cuda" else 4
+    gpu = torch.cuda.get_device_name(0) if cli.device == "cuda" and num_gpus else "CPU (gloo)"
     print(f"# {num_gpus} x {gpu}, torch {torch.__version__}, bucket {cli.bucket_mb} MiB, bf16", flush=True)
     efficiencies = []
     for scenario in cli.scenarios.split(","):
@@ -350,11 +483,24 @@ def main() -> int:
             print(f"# skipping {scenario}: needs {sum(SCENARIOS[scenario])} GPUs, {num_gpus} visible", flush=True)
             continue
         for model in cli.models.split(","):
-            r = run(scenario, model, cli.bucket_mb, cli.skip_filesystem, cli.profile)
-            efficiencies.append(r["efficiency"])
+            paths = tuple(cli.paths.split(","))
+            r = run(scenario, model, cli.bucket_mb, cli.skip_filesystem, cli.profile, paths, cli.device)
+            efficiencies.append(r["pieces_efficiency" if "pieces" in paths else "efficiency"])
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
+            if "pieces" in paths:
+                print(
+                    f"{scenario:6s} {model:18s} {r['bytes'] / 1e9:6.2f} GB: pieces stream {r['pieces_stream_s']:.4f}s "
+                    f"({r['pieces_stream_gbps']:.1f} GB/s; receivers not loading {r['pieces_stream_noload_s'] * 1e3:.1f}"
+                    f" ms) vs raw NCCL broadcast {r['pieces_raw_gbps']:.1f} GB/s -> efficiency "
+                    f"{r['pieces_efficiency']:.2f}",
+                    flush=True,
+                )
+            if "gather" not in paths:
+                continue
+            agree = [r[k] for k in sorted(r) if k.endswith("_paths_agree")]
+            print(f"{'':6s} every receiver got the same bytes by both paths: {all(agree)} ({len(agree)} receivers)")
             print(
-                f"{scenario:6s} {model:18s} {r['bytes'] / 1e9:6.2f} GB: stream {r['stream_s']:.3f}s "
+                f"{scenario:6s} {model:18s} {r['bytes'] / 1e9:6.2f} GB: gather stream {r['stream_s']:.4f}s "
                 f"({r['stream_gbps']:.1f} GB/s) vs raw NCCL broadcast {r['raw_gbps']:.1f} GB/s "
                 f"-> efficiency {r['efficiency']:.2f}; "
                 + (

@@ -23,6 +23,9 @@ CASES = {
     "qwen3-custom-hsdp": ("qwen3", "custom", 4, ParallelConfig(dp_replicate=2), True),
 }
 
+NOT_DIRECT = {"qwen3_moe-custom-fsdp2-ep2", "qwen3-custom-hsdp"}
+"""Cases whose trainer ranks cannot each send their own rows (trainer/piece_send.py): experts sharded twice; HSDP."""
+
 KEEP_IN_FP32 = {"qwen3-custom-fsdp2": ("q_norm",)}
 """Cases whose model publishes these (sharded) tensors in float32: their gathers travel in float32."""
 
@@ -90,7 +93,7 @@ def stream_both_ways(
     train_step(trainer.policy, trainer.optimizer, batch, c.loss, 1.0, trainer.device, trainer.autocast_dtype)
     probe_logprobs(trainer)
     whole = sum(not _is_dtensor(entry) for group in plan for entry in group)
-    results = {}
+    results = {"pieces_root_unsharded": send_pieces(streams["unshard"], trainer.device)}
     for name, stream in streams.items():  # the per-layer unsharding last: it reshards the root when done
         manifest = Manifest(1, tuple(plan_buckets(stream.metas(), 1 << 15)))
         sink = _Collect()
@@ -105,9 +108,34 @@ def stream_both_ways(
             "all_gathered": gatherer is not None
             and all(gatherer.is_gathered(*key) == was_sharded for key, was_sharded in sharded.items()),
         }
+    results["pieces"] = send_pieces(streams["unshard"], trainer.device)  # every FSDP unit resharded now
     if dist.get_rank() == 0:
         torch.save(results, result_path)
     teardown_trainer(trainer)
+
+
+def send_pieces(stream, device: torch.device) -> dict:
+    """Every rank sends its own rows (trainer/piece_send.py) to a group of the trainer's ranks (gloo; NCCL on CUDA);
+    rank 0 keeps every bucket laid out whole. {"not_direct": why} for a model that cannot be sent so."""
+    import torch.distributed as dist
+
+    from slipstream.trainer.piece_send import NotDirect, PieceSender
+    from slipstream.transport.weight_stream import Manifest, plan_buckets
+
+    try:
+        sender = PieceSender(
+            stream, tuple(plan_buckets(stream.metas(), 1 << 15)), dist.get_rank(), dist.get_world_size()
+        )
+    except NotDirect as e:
+        return {"not_direct": str(e)}
+    manifest = sender.manifest(1)
+    assert Manifest.from_dict(manifest.to_dict()) == manifest
+    sink = _Collect()
+    group = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo")
+    # the backend object itself, as the trainer's transfer group is (on NCCL: the pieces go as one coalesced group)
+    sender.send(group._get_backend(device), device, sink if dist.get_rank() == 0 else None)
+    dist.destroy_process_group(group)
+    return {"buckets": [sink.buckets[i].cpu() for i in sorted(sink.buckets)], "senders": manifest.senders}
 
 
 def _is_dtensor(entry) -> bool:
@@ -161,6 +189,15 @@ def _check(case: str, results: dict, kept_in_fp32: bool) -> None:
         for i, (a, b) in enumerate(zip(got["buckets"], reference["buckets"], strict=True)):
             assert torch.equal(a, b), f"{name}: bucket {i} differs"
         assert got["all_gathered"] == all_gathered
+    for name in ("pieces_root_unsharded", "pieces"):
+        got = results[name]
+        if case in NOT_DIRECT:
+            assert "sharded as" in got["not_direct"]
+            continue
+        assert got["senders"] == CASES[case][2]
+        assert len(got["buckets"]) == len(reference["buckets"])
+        for i, (a, b) in enumerate(zip(got["buckets"], reference["buckets"], strict=True)):
+            assert torch.equal(a, b), f"{name}: bucket {i} differs"
     one, per_layer = results["one_chunk"], results["chunk_per_layer"]
     assert one["whole"] > 0  # the root's tensors were taken whole
     assert one["chunks"] == 1 and per_layer["chunks"] == per_layer["groups"] > 1

@@ -11,11 +11,12 @@ from slipstream.config.base import BaseConfig
 class WeightsConfig(BaseConfig):
     """How the trainer's weights reach inference after every step (set once at the top level of `slipstream rl`).
 
-    The trainer streams the model layer by layer in Hugging Face names (FSDP-gathered one layer at a time, never the
-    whole model on one device), in dtype-grouped buckets. `filesystem` writes the stream as safetensors shards into
-    `weights/step_N/` (+ READY); `nccl` / `gloo` broadcast it from trainer rank 0 to every inference worker through
-    vLLM's weight-transfer API (Slipstream's engine, registered as the vLLM weight-transfer backend `slipstream`).
-    Every transport ends with the same probe check of the loaded weights."""
+    The trainer streams the model in Hugging Face names (never the whole model on one device), in dtype-grouped
+    buckets. `filesystem` writes the stream as safetensors shards into `weights/step_N/` (+ READY); `nccl` / `gloo`
+    broadcast it to every inference worker through vLLM's weight-transfer API (Slipstream's engine, registered as the
+    vLLM weight-transfer backend `slipstream`): every trainer rank sends the rows it holds of each bucket when the
+    model's sharding allows (FSDP2, or expert parallelism alone), else rank 0 sends after a gather. Every transport
+    ends with the same probe check of the loaded weights."""
 
     transport: Literal["auto", "filesystem", "nccl", "gloo"] = "auto"
     """`filesystem`: through files in the run directory (works everywhere, costs disk bandwidth). `nccl`: GPU to GPU
@@ -24,8 +25,9 @@ class WeightsConfig(BaseConfig):
 
     bucket_mb: int = Field(512, ge=1)
     """Size of one transfer bucket in MiB: tensors of one dtype are packed into flat buffers of at most this size
-    (a tensor larger than a bucket travels alone). Trainer rank 0 keeps up to 3 such buffers (the model's largest
-    bucket each) on its device between versions; the receivers hold two while receiving."""
+    (a tensor larger than a bucket travels alone). Each sending trainer rank keeps up to 3 such buffers (the model's
+    largest bucket each) on its device between versions; each inference worker keeps 2 (4 when several trainer
+    ranks send) between versions, on top of vLLM's memory (gpu_memory_utilization leaves room for them)."""
 
     master_addr: str = "127.0.0.1"
     """Address the trainer's rendezvous store listens on (collective transports); inference workers connect to it.

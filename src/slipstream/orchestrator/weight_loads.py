@@ -1,7 +1,8 @@
 """How the orchestrator has inference take one weight version, through vLLM's weight-transfer API: from its folder
 on disk, or by broadcast from the trainer (the trainer offered it and waits; see transport/weight_offers.py).
 
-A broadcast needs a transfer session: the group of trainer rank 0 and every inference worker. One is opened at the
+A broadcast needs a transfer session: the group of the trainer's sending ranks (rank 0, or every rank when each
+sends its own rows; the offer says how many) and every inference worker. One is opened at the
 first broadcast and again whenever inference is a new instance (a restart loses the group); the session id is sent
 to the workers in /init_weight_transfer_engine and to the trainer in the version's ACCEPT marker.
 """
@@ -30,6 +31,8 @@ class TransferSession:
     instance: str | None
     """The inference instance (X-Slipstream-Instance) whose workers joined it."""
     world_size: int
+    senders: int = 1
+    """Trainer ranks that send (group ranks 0 .. senders - 1); the workers follow."""
 
 
 @dataclass
@@ -81,17 +84,19 @@ class WeightLoader:
 
     async def _maybe_new_session(self, version: int) -> dict[str, Any] | None:
         """init_info of a new session when there is none for the current inference instance, else None."""
-        if self.session is not None and self.session.instance == self.client.instance:
-            return None
         offer = read_offer(self.output_dir, version)
-        world_size = 1 + await self.client.get_world_size()
-        self.session = TransferSession(uuid.uuid4().hex, self.client.instance, world_size)
+        senders = offer["senders"]
+        session = self.session
+        if session is not None and session.instance == self.client.instance and session.senders == senders:
+            return None
+        world_size = senders + await self.client.get_world_size()
+        self.session = TransferSession(uuid.uuid4().hex, self.client.instance, world_size, senders)
         return {
             "backend": offer["backend"],
             "master_addr": self.weights.master_addr,
             "master_port": self.weights.store_port("the orchestrator's weight transfer"),
             "session": self.session.session,
             "world_size": world_size,
-            "rank_offset": 1,
+            "rank_offset": senders,
             "timeout_s": 600.0,
         }

@@ -2,11 +2,12 @@
 
 - `filesystem`: into `weights/step_N/` as safetensors shards + config + tokenizer + probe.json + READY, built under a
   temporary name and renamed into place;
-- `nccl` / `gloo`: offered by broadcast (transport/weight_offers.py); rank 0 sends each bucket as soon as it is
-  gathered, while the next layer is being gathered. Checkpoint steps (and the last step) are also written to disk,
-  since resume and users need them there.
+- `nccl` / `gloo`: offered by broadcast (transport/weight_offers.py). Every trainer rank sends the rows it holds
+  (trainer/piece_send.py: no gather, each byte crosses the link once) when the model's sharding allows; otherwise
+  rank 0 sends each bucket as soon as it is gathered, while the next layer is being gathered. Checkpoint steps (and
+  the last step) are also written to disk, since resume and users need them there.
 
-Every rank gathers (FSDP collectives); rank 0 writes and sends. The probe (log-probs of a fixed text) is computed
+Files: every rank gathers (FSDP collectives); rank 0 writes. The probe (log-probs of a fixed text) is computed
 from the published dtype's weights, so the orchestrator can check that inference serves exactly them.
 """
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from slipstream.config.trainer import TrainerConfig
 from slipstream.trainer.lora_export import MERGED_DIR, adapter_plan, gather_adapter, write_peft_adapter
+from slipstream.trainer.piece_send import NotDirect, PieceSender
 from slipstream.trainer.setup import Trainer
 from slipstream.trainer.weight_export import HFWeightStream
 from slipstream.trainer.weights import (
@@ -88,6 +90,13 @@ class WeightPublisher:
         self.buckets = tuple(plan_buckets(self.stream.metas(), self.bucket_bytes))
         self.buffers = BucketBuffers()
         """Rank 0's bucket buffers (3 buckets of `weights.bucket_mb`), kept from one version to the next."""
+        self.pieces: PieceSender | None = None
+        """Every rank sends its own rows by broadcast (None: rank 0 sends after a gather)."""
+        if self.transport in ("nccl", "gloo"):
+            try:
+                self.pieces = PieceSender(self.stream, self.buckets, trainer.info.rank, trainer.world_size)
+            except NotDirect as e:
+                log.info(f"weights: trainer rank 0 sends every bucket after gathering it ({e})")
 
     @property
     def is_main(self) -> bool:
@@ -98,7 +107,10 @@ class WeightPublisher:
         start = time.perf_counter()
         probe = probe_logprobs(self.trainer)
         stream = self.stream
-        manifest = Manifest(step, self.buckets)
+        if self.pieces is not None and self.transport != "filesystem":
+            manifest = self.pieces.manifest(step)
+        else:
+            manifest = Manifest(step, self.buckets)
         t_probe = time.perf_counter()
         if self.lora is not None:
             return self._publish_adapter(step, probe) | {"weights/probe_s": t_probe - start}
@@ -158,29 +170,25 @@ class WeightPublisher:
         attempts = 0
         while True:
             attempts += 1
+            accept = None
             if self.is_main:
-                self._join(
-                    wait_for_accept(self.config.output_dir, step, self.refused, self.config.weights.accept_timeout_s)
+                accept = wait_for_accept(
+                    self.config.output_dir, step, self.refused, self.config.weights.accept_timeout_s
                 )
-            sinks: list[BucketSink] = []
-            sender = None
-            if self.is_main:
-                sender = TolerantSink(BroadcastSink(self.group, self.trainer.device))
-                sinks.append(sender)
-                if files:
-                    sinks.append(SafetensorsSink(folder, len(manifest.buckets)))
-            stream_to(stream, manifest, sinks, self.buffers)
-            ok = self._agree(sender is None or sender.error is None)
-            if ok:
+            if self.pieces is not None:
+                error = self._send_pieces(self._shared(accept), folder if files else None, manifest)
+            else:
+                error = self._send_gathered(accept, stream, manifest, folder if files else None)
+            if self._agree(error is None):
                 break
-            if self.is_main:
+            if error is not None:
                 log.warning(
-                    f"sending the weights of step {step} failed ({sender.error}); waiting for inference to take "
-                    "them again"
+                    f"sending the weights of step {step} failed ({error}); waiting for inference to take them again"
                 )
+            if self.session is not None:
                 self.refused.add(self.session)
-                close_group(self.group)
-                self.group, self.session = None, None
+            close_group(self.group)
+            self.group, self.session = None, None
         if self.is_main:
             mark_delivered(self.config.output_dir, step, self.session or "")
             if files:
@@ -189,6 +197,43 @@ class WeightPublisher:
                 make_world_readable(folder)
         return attempts
 
+    def _send_gathered(
+        self, accept: Accept | None, stream: HFWeightStream, manifest: Manifest, folder: Path | None
+    ) -> BaseException | None:
+        """Every rank gathers, rank 0 sends each bucket (and writes it into `folder`, if given)."""
+        sinks: list[BucketSink] = []
+        sender = None
+        if accept is not None:
+            self._join(accept)
+            sender = TolerantSink(BroadcastSink(self.group, self.trainer.device))
+            sinks.append(sender)
+            if folder is not None:
+                sinks.append(SafetensorsSink(folder, len(manifest.buckets)))
+        stream_to(stream, manifest, sinks, self.buffers)
+        return None if sender is None else sender.error
+
+    def _send_pieces(self, accept: Accept, folder: Path | None, manifest: Manifest) -> BaseException | None:
+        """Every rank joins the session's group and sends its own rows (rank 0 also writes `folder`, if given)."""
+        assert self.pieces is not None
+        files = SafetensorsSink(folder, len(manifest.buckets)) if folder is not None and self.is_main else None
+        try:
+            self._join(accept)
+            self.pieces.send(self.group, self.trainer.device, files)
+        except (RuntimeError, OSError) as e:  # torch.distributed reports a lost peer as RuntimeError/DistBackendError
+            close_group(self.group)  # the other members' pending broadcasts fail now instead of at their timeout
+            self.group = None
+            return e
+        return None
+
+    def _shared(self, accept: Accept | None) -> Accept:
+        """Rank 0's accepted session, on every rank."""
+        if self.trainer.world_size == 1:
+            assert accept is not None
+            return accept
+        box = [accept]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def _write_offer(self, folder: Path, manifest: Manifest, probe: dict) -> None:
         """Create `weights/step_N/` holding the manifest, probe and OFFER marker (atomically)."""
         tmp = folder.parent / f".tmp_{folder.name}_{os.getpid()}"
@@ -196,26 +241,38 @@ class WeightPublisher:
         tmp.mkdir(parents=True)
         atomic_write_text(tmp / MANIFEST, manifest.to_json())
         atomic_write_text(tmp / PROBE, _json(probe))
-        atomic_write_text(tmp / OFFER, _json({"step": manifest.step, "backend": self.transport}))
+        offer = {"step": manifest.step, "backend": self.transport, "senders": manifest.senders}
+        atomic_write_text(tmp / OFFER, _json(offer))
         make_world_readable(tmp)
         commit_dir(tmp, folder)
 
     def _join(self, accept: Accept) -> None:
-        """Use the group of the accepted session, building it (and dropping an older one) when it is new."""
+        """Use the group of the accepted session, building it (and dropping an older one) when it is new. Senders
+        are trainer ranks 0 .. senders - 1 of the group (rank 0 alone when it sends after a gather)."""
         if accept.session == self.session and self.group is not None:
             return
         close_group(self.group)
+        self.group = None
         w = self.config.weights
-        init = GroupInit(self.transport, w.master_addr, w.store_port("the trainer"), accept.session, accept.world_size)
-        self.group = open_group(self.store, init, 0, self.trainer.device)
+        senders = self.trainer.world_size if self.pieces is not None else 1
+        if accept.world_size <= senders:
+            raise ValueError(
+                f"the orchestrator accepted the weights for a group of {accept.world_size} ranks, but the trainer "
+                f"sends from {senders}: are trainer and orchestrator of the same Slipstream version?"
+            )
+        port = w.store_port("the trainer")
+        if self.store is None:  # trainer ranks > 0 join rank 0's store
+            self.store = open_store(w.master_addr, port, is_master=False, timeout_s=w.accept_timeout_s)
+        init = GroupInit(self.transport, w.master_addr, port, accept.session, accept.world_size, senders)
+        self.group = open_group(self.store, init, self.trainer.info.rank, self.trainer.device)
         self.session = accept.session
 
     def _agree(self, ok: bool) -> bool:
-        """Rank 0's verdict on an attempt, shared with every rank (they repeat the gather if it failed)."""
+        """Whether every rank's part of an attempt succeeded (they all repeat it if one failed)."""
         if self.trainer.world_size == 1:
             return ok
         flag = torch.tensor([1 if ok else 0], device=self.trainer.device)
-        dist.broadcast(flag, src=0)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
     def close(self) -> None:

@@ -110,5 +110,11 @@ def wait_for_available(output_dir: Path, min_step: int, timeout_s: float, poll_s
 
 
 def read_offer(output_dir: Path, step: int) -> dict:
-    """The trainer's offer of `step`: {"step", "backend"}."""
-    return read_marker(weights_dir(output_dir, step) / OFFER, {"step": int, "backend": str})
+    """The trainer's offer of `step`: {"step", "backend", "senders"} (senders: how many trainer ranks send, ranks
+    0 .. senders - 1 of the transfer group; 1 when absent)."""
+    path = weights_dir(output_dir, step) / OFFER
+    data = read_marker(path, {"step": int, "backend": str})
+    senders = data.setdefault("senders", 1)
+    if not isinstance(senders, int) or isinstance(senders, bool) or senders < 1:
+        raise ValueError(f"{path}: field 'senders' must be an integer >= 1, got {senders!r:.200}")
+    return data

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
+from slipstream.transport.bucket_receive import ReceiveBuffers, receive_buckets
 from slipstream.transport.collective import GroupInit, close_group, open_group, open_store
-from slipstream.transport.weight_stream import Manifest, iter_safetensors, receive_buckets
+from slipstream.transport.weight_stream import Manifest, iter_safetensors
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], object]
 """Loads one batch of (HF name, tensor) pairs into the model (vLLM: `model.load_weights`)."""
@@ -48,6 +49,8 @@ class WeightReceiver:
         self.init: GroupInit | None = None
         self.group = None
         self.store = None
+        self.buffers = ReceiveBuffers(device)
+        """Bucket buffers kept from one version to the next (2 of the largest bucket, 4 with several senders)."""
 
     def join(self, init: GroupInit) -> None:
         """Join the sender's group of `init.session` (blocks until the sender and every receiver joined)."""
@@ -80,11 +83,9 @@ class WeightReceiver:
             manifest = Manifest.from_dict(update_info["manifest"])
             if manifest.step != step:
                 raise ValueError(f"update_info step {step} but its manifest is of step {manifest.step}")
-            num_tensors = num_bytes = 0
-            for pairs in receive_buckets(self.group, manifest, self.device):
+            for pairs in receive_buckets(self.group, manifest, self.device, self.buffers):
                 load(pairs)
-                num_tensors += len(pairs)
-                num_bytes += sum(t.numel() * t.element_size() for _, t in pairs)
+            num_tensors, num_bytes = manifest.num_tensors, manifest.nbytes
             source = "broadcast"
         else:
             raise ValueError(f"update_info needs 'path' or 'manifest' (got keys {sorted(update_info)})")
@@ -93,6 +94,7 @@ class WeightReceiver:
         return ReceiveStats(step, num_tensors, num_bytes, time.perf_counter() - start, source)
 
     def shutdown(self) -> None:
+        self.buffers.release()
         close_group(self.group)
         self.group, self.store, self.init = None, None, None
 

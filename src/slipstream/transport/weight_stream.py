@@ -18,6 +18,8 @@ from typing import Protocol
 
 import torch
 
+from slipstream.transport.pieces import PieceLayout, piece_layout, row_count
+
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 
@@ -55,10 +57,23 @@ class Bucket:
 
     dtype: str
     tensors: tuple[TensorMeta, ...]
+    rows: tuple[tuple[int, ...], ...] | None = None
+    """Sent by several trainer ranks, each its own rows (transport/pieces.py): rows[j][q] = rows of tensor j that
+    sender q holds. None: one sender sends every tensor whole."""
 
     @functools.cached_property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def senders(self) -> int:
+        return len(self.rows[0]) if self.rows else 1
+
+    @functools.cached_property
+    def layout(self) -> PieceLayout:
+        """Where each sender's rows travel (one sender: one piece, the tensors whole)."""
+        rows = self.rows if self.rows is not None else tuple((row_count(t.shape),) for t in self.tensors)
+        return piece_layout([t.shape for t in self.tensors], element_size(self.dtype), rows)
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,17 @@ class Manifest:
 
     step: int
     buckets: tuple[Bucket, ...]
+    senders: int = 1
+    """Trainer ranks that send (ranks 0 .. senders - 1 of the transfer group; receivers follow). With more than one,
+    every bucket has a rows table saying which rows of each tensor each of them sends (transport/pieces.py)."""
+
+    def __post_init__(self) -> None:
+        for i, bucket in enumerate(self.buckets):
+            if bucket.senders != self.senders or (self.senders > 1) != (bucket.rows is not None):
+                raise ValueError(
+                    f"weight manifest: buckets[{i}] is split among {bucket.senders} sender(s) ("
+                    f"{'a' if bucket.rows is not None else 'no'} rows table), the manifest has {self.senders}"
+                )
 
     @property
     def nbytes(self) -> int:
@@ -77,13 +103,14 @@ class Manifest:
         return sum(len(b.tensors) for b in self.buckets)
 
     def to_dict(self) -> dict:
-        return {
+        data: dict = {
             "version": MANIFEST_VERSION,
             "step": self.step,
-            "buckets": [
-                {"dtype": b.dtype, "tensors": [[t.name, list(t.shape)] for t in b.tensors]} for b in self.buckets
-            ],
+            "buckets": [_bucket_dict(b) for b in self.buckets],
         }
+        if self.senders > 1:
+            data["senders"] = self.senders
+        return data
 
     @staticmethod
     def from_dict(data: dict) -> "Manifest":
@@ -96,10 +123,13 @@ class Manifest:
             raise ValueError(f"weight manifest: 'step' must be an integer >= 0, got {step!r}")
         if not isinstance(buckets, list):
             raise ValueError(f"weight manifest: 'buckets' must be a list, got {buckets!r:.200}")
+        senders = data.get("senders", 1)
+        if not _is_int(senders) or senders < 1:
+            raise ValueError(f"weight manifest: 'senders' must be an integer >= 1, got {senders!r:.100}")
         last = _LAST_PARSED
-        if last is not None and buckets == last[0]:  # one C-level comparison: the plan rarely changes between versions
-            return Manifest(step, last[1])
-        parsed = Manifest(step, tuple(_parse_bucket(b, i) for i, b in enumerate(buckets)))
+        if last is not None and senders == last[2] and buckets == last[0]:  # one C-level comparison: the plan rarely
+            return Manifest(step, last[1], senders)  # changes between versions
+        parsed = Manifest(step, tuple(_parse_bucket(b, i, senders) for i, b in enumerate(buckets)), senders)
         _remember(parsed)
         return parsed
 
@@ -107,7 +137,7 @@ class Manifest:
         return json.dumps(self.to_dict())
 
 
-_LAST_PARSED: tuple[list, tuple["Bucket", ...]] | None = None
+_LAST_PARSED: tuple[list, tuple["Bucket", ...], int] | None = None
 """The last plan parsed, in its canonical JSON form (built here, never handed out) and parsed: every version of a
 run sends the same plan, and validating it tensor by tensor took 11.5 ms per version for the 3,147 tensors of an
 8-layer Qwen3-30B-A3B slice on a slow CPU, on the receivers' side of the transfer."""
@@ -115,15 +145,23 @@ run sends the same plan, and validating it tensor by tensor took 11.5 ms per ver
 
 def _remember(manifest: "Manifest") -> None:
     global _LAST_PARSED
-    _LAST_PARSED = (manifest.to_dict()["buckets"], manifest.buckets)
+    _LAST_PARSED = (manifest.to_dict()["buckets"], manifest.buckets, manifest.senders)
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _parse_bucket(data: object, index: int) -> Bucket:
-    """One bucket of a manifest's JSON: {"dtype": name, "tensors": [[name, shape], ...]}."""
+def _bucket_dict(bucket: Bucket) -> dict:
+    data: dict = {"dtype": bucket.dtype, "tensors": [[t.name, list(t.shape)] for t in bucket.tensors]}
+    if bucket.rows is not None:
+        data["rows"] = [list(r) for r in bucket.rows]
+    return data
+
+
+def _parse_bucket(data: object, index: int, senders: int = 1) -> Bucket:
+    """One bucket of a manifest's JSON: {"dtype": name, "tensors": [[name, shape], ...]}, and with several senders
+    "rows": [[rows of sender 0, rows of sender 1, ...] per tensor]."""
     where = f"weight manifest: buckets[{index}]"
     if not isinstance(data, dict) or not isinstance(data.get("tensors"), list):
         raise ValueError(f"{where} must be an object with 'dtype' and a 'tensors' list, got {data!r:.200}")
@@ -136,7 +174,19 @@ def _parse_bucket(data: object, index: int) -> Bucket:
         if not ok or not all(_is_int(size) and size >= 0 for size in entry[1]):
             raise ValueError(f"{where}.tensors[{j}] must be [name, [sizes >= 0]], got {entry!r:.200}")
         tensors.append(TensorMeta(entry[0], dtype, tuple(entry[1])))
-    return Bucket(dtype, tuple(tensors))
+    if senders == 1:
+        if "rows" in data:
+            raise ValueError(f"{where}: a 'rows' table but the manifest has one sender")
+        return Bucket(dtype, tuple(tensors))
+    rows = data.get("rows")
+    if not isinstance(rows, list) or not all(isinstance(r, list) and all(_is_int(n) for n in r) for r in rows):
+        raise ValueError(f"{where}: 'rows' must list, per tensor, the rows each of {senders} senders holds")
+    bucket = Bucket(dtype, tuple(tensors), tuple(tuple(r) for r in rows))
+    try:
+        bucket.layout  # noqa: B018 - validates the table against the shapes
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return bucket
 
 
 def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> list[Bucket]:
@@ -224,60 +274,35 @@ class BroadcastSink:
             torch.cuda.current_stream(self.device).synchronize()
 
 
-def broadcast(group: "torch.distributed.ProcessGroup", tensor: torch.Tensor) -> None:
-    """Broadcast `tensor` in place from rank 0 of `group` and wait for it."""
-    start_broadcast(group, tensor).wait()
+def broadcast(group: "torch.distributed.ProcessGroup", tensor: torch.Tensor, root: int = 0) -> None:
+    """Broadcast `tensor` in place from rank `root` of `group` and wait for it."""
+    start_broadcast(group, tensor, root).wait()
 
 
-def start_broadcast(group: "torch.distributed.ProcessGroup", tensor: torch.Tensor):
-    """Start broadcasting `tensor` in place from rank 0 of `group`; returns the work to wait on."""
+def start_broadcast(group: "torch.distributed.ProcessGroup", tensor: torch.Tensor, root: int = 0):
+    """Start broadcasting `tensor` in place from rank `root` of `group`; returns the work to wait on."""
     import torch.distributed as dist
 
     opts = dist.BroadcastOptions()
-    opts.rootRank = 0
+    opts.rootRank = root
     return group.broadcast([tensor], opts)
 
 
-def receive_buckets(
-    group: "torch.distributed.ProcessGroup", manifest: Manifest, device: torch.device
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The receiving side of BroadcastSink: yields each bucket's (name, tensor) views, in plan order. The next
-    bucket is already being received while the caller loads this one, into the second of two buffers of the
-    largest bucket's size; a bucket's views are valid until the one after next is requested.
-
-    On CUDA the receives run on their own stream: the caller's stream waits for bucket k only (an event), and the
-    receive of bucket k+2 waits only for the caller's loads of bucket k, which used the same buffer."""
-    buckets = list(manifest.buckets)
-    if not buckets:
-        return
-    size = max(b.nbytes for b in buckets)
-    slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(2, len(buckets)))]
-    recv_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    loaded: dict[int, torch.cuda.Event] = {}
-
-    def start(i: int):
-        flat = slots[i % len(slots)][: buckets[i].nbytes]
-        if recv_stream is None:
-            return flat, start_broadcast(group, flat)
-        with torch.cuda.stream(recv_stream):
-            if i >= len(slots):
-                recv_stream.wait_event(loaded.pop(i - len(slots)))
-            start_broadcast(group, flat).wait()  # queues the receive stream behind the broadcast, no host wait
-            return flat, recv_stream.record_event()
-
-    pending = start(0)
-    for i, bucket in enumerate(buckets):
-        flat, done = pending
-        if recv_stream is None:
-            done.wait()
-        else:
-            current = torch.cuda.current_stream(device)
-            current.wait_event(done)
-            if i >= 1:
-                loaded[i - 1] = current.record_event()  # the caller queued its loads of bucket i-1 by now
-        if i + 1 < len(buckets):
-            pending = start(i + 1)
-        yield unpack(flat, bucket)
+def start_pieces(group: "torch.distributed.ProcessGroup", wire: torch.Tensor, layout: PieceLayout) -> list:
+    """Start the broadcasts of a bucket sent by several senders: sender q's piece from rank q, into its place in
+    `wire` (uint8, the layout's size) on every member. Returns the works to wait on. On CUDA the broadcasts go as one
+    NCCL group (coalesced: one launch, the pieces in flight together); gloo runs them one after the other."""
+    pieces = [
+        (q, start, size)
+        for q, (start, size) in enumerate(zip(layout.piece_starts, layout.piece_bytes, strict=True))
+        if size
+    ]
+    if len(pieces) > 1 and wire.is_cuda and getattr(group, "supports_coalescing", False):  # a backend (NCCL) object
+        group._start_coalescing()
+        for q, start, size in pieces:
+            start_broadcast(group, wire[start : start + size], q)
+        return [group._end_coalescing()]
+    return [start_broadcast(group, wire[start : start + size], q) for q, start, size in pieces]
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

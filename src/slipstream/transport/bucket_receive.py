@@ -1,0 +1,128 @@
+"""The receiving side of a weight stream's broadcasts (transport/weight_stream.py's BroadcastSink, or several
+senders' pieces, transport/pieces.py): each bucket lands in one of two reused buffers while the caller loads the one
+before, and is handed on as (name, tensor) views.
+
+Buffers and every view into them are kept from one version to the next while the plan is the same (it is, every
+step of a run): a version then costs a few operations per bucket on the receiving host, not a view per tensor
+(3,147 tensors for an 8-layer Qwen3-30B-A3B slice; the receiver's host time is what bounds the stream once the
+sender is fast).
+"""
+
+from collections.abc import Iterator
+
+import torch
+
+from slipstream.transport.weight_stream import Bucket, Manifest, start_broadcast, start_pieces, unpack
+
+NUM_SLOTS = 2
+"""Buckets in flight on a receiver: one being loaded while the next is received."""
+
+
+class ReceiveBuffers:
+    """A receiver's bucket buffers and the views into them, for one plan at a time: `NUM_SLOTS` buffers of the
+    largest bucket (and as many more for the wire layout when several senders send pieces)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buckets: tuple[Bucket, ...] | None = None
+        self.slots: list[torch.Tensor] = []
+        self.wires: list[torch.Tensor] = []
+        self.pairs: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        """Bucket index -> its tensors' views into its slot."""
+        self.copies: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        """Bucket index -> (whole segments, wire segments) of its layout copy (several senders)."""
+
+    def start(self, manifest: Manifest) -> None:
+        """Keep everything when the plan is the one of the last version; else size the buffers for this plan."""
+        if manifest.buckets is self.buckets or manifest.buckets == self.buckets:
+            return
+        self.release()
+        buckets = manifest.buckets
+        self.buckets = buckets
+        size = max((b.nbytes for b in buckets), default=0)
+        n = min(NUM_SLOTS, len(buckets))
+        self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(n)]
+        if manifest.senders > 1:
+            self.wires = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(n)]
+
+    def flat(self, i: int) -> torch.Tensor:
+        assert self.buckets is not None
+        return self.slots[i % len(self.slots)][: self.buckets[i].nbytes]
+
+    def wire(self, i: int) -> torch.Tensor:
+        assert self.buckets is not None
+        return self.wires[i % len(self.wires)][: self.buckets[i].nbytes]
+
+    def views(self, i: int) -> list[tuple[str, torch.Tensor]]:
+        pairs = self.pairs.get(i)
+        if pairs is None:
+            assert self.buckets is not None
+            pairs = self.pairs[i] = unpack(self.flat(i), self.buckets[i])
+        return pairs
+
+    def reassemble(self, i: int) -> None:
+        """Lay bucket i's pieces (in its wire buffer) out whole in its slot: one fused copy."""
+        copy = self.copies.get(i)
+        if copy is None:
+            assert self.buckets is not None
+            copy = self.copies[i] = self.buckets[i].layout.segments(self.wire(i), self.flat(i))
+        torch._foreach_copy_(*copy)
+
+    def release(self) -> None:
+        self.buckets, self.slots, self.wires, self.pairs, self.copies = None, [], [], {}, {}
+
+
+def receive_buckets(
+    group: "torch.distributed.ProcessGroup",
+    manifest: Manifest,
+    device: torch.device,
+    buffers: ReceiveBuffers | None = None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yields each bucket's (name, tensor) views, in plan order. The next bucket is already being received while the
+    caller loads this one, into the second of two buffers of the largest bucket's size; a bucket's views are valid
+    until the one after next is requested. Pieces of several senders arrive into two more such buffers and are laid
+    out whole by one copy. `buffers` (kept by the caller from one version to the next) hold the buffers and views.
+
+    On CUDA the receives run on their own stream: the caller's stream waits for bucket k only (an event), and the
+    receive of bucket k+2 waits only for the caller's loads of bucket k, which used the same buffers. Pieces are laid
+    out on the caller's stream, so the receive stream goes on to the next bucket's broadcasts at once."""
+    buckets = manifest.buckets
+    if not buckets:
+        return
+    buffers = buffers if buffers is not None else ReceiveBuffers(device)
+    buffers.start(manifest)
+    num_slots = len(buffers.slots)
+    recv_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    loaded: dict[int, torch.cuda.Event] = {}
+
+    def receive(i: int) -> None:
+        """Receive bucket i (on CUDA: queue it on the receive stream)."""
+        if manifest.senders == 1:
+            works = [start_broadcast(group, buffers.flat(i))]
+        else:
+            works = start_pieces(group, buffers.wire(i), buckets[i].layout)
+        for work in works:
+            work.wait()  # CUDA: the receive stream waits, not this thread
+
+    def start(i: int):
+        if recv_stream is None:
+            receive(i)  # gloo: synchronous here (the CPU twin needs no overlap)
+            return None
+        with torch.cuda.stream(recv_stream):
+            if i >= num_slots:
+                recv_stream.wait_event(loaded.pop(i - num_slots))
+            receive(i)
+            return recv_stream.record_event()
+
+    done = start(0)
+    for i in range(len(buckets)):
+        if recv_stream is not None:
+            current = torch.cuda.current_stream(device)
+            current.wait_event(done)
+            if i >= 1:
+                loaded[i - 1] = current.record_event()  # the caller queued its loads of bucket i-1 by now
+        if i + 1 < len(buckets):
+            done = start(i + 1)
+        if manifest.senders > 1:
+            buffers.reassemble(i)  # on the caller's stream, after bucket i arrived and before its loads
+        yield buffers.views(i)

@@ -1,0 +1,28 @@
+"""benchmarks/weight_transfer.py on gloo ranks (`--device cpu`, a smoke run whose figures mean nothing): FSDP=2 over
+two trainer ranks to two receivers, by both paths (every trainer rank sending its own rows, and rank 0 sending after
+a gather); every receiver must end with the same bytes both ways, and the script prints its figure last."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(300)
+def test_both_paths_leave_every_receiver_with_the_same_bytes():
+    cmd = [sys.executable, "benchmarks/weight_transfer.py", "--device", "cpu", "--scenarios", "fsdp2"]
+    cmd += ["--models", "qwen3-28l-tiny", "--skip-filesystem", "--bucket-mb", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=280, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    result = json.loads(next(line for line in lines if line.startswith("{")))
+    assert result["receiver0_paths_agree"] is True and result["receiver1_paths_agree"] is True
+    assert result["num_tensors"] == 310 and result["num_buckets"] >= 2
+    assert lines[-1].startswith("transfer_efficiency: ")
+    assert float(lines[-1].split()[-1]) == pytest.approx(result["pieces_efficiency"], abs=1e-3)
