@@ -189,13 +189,14 @@ class PieceSender:
             tensor = getattr(c.source.module, c.source.attr)
             if isinstance(tensor, DTensor):
                 tensor = tensor._local_tensor  # what to_local() returns without grad, minus its cost
-                if c.source.ranks is not None and tensor.shape[0] != c.rows:
-                    raise RuntimeError(
-                        f"{c.source.attr} of {type(c.source.module).__name__}: this rank holds {tensor.shape[0]} rows, "
-                        f"torch.chunk says {c.rows}: the shard layout is not the one this sender assumes"
-                    )
             elif c.source.ranks is not None:  # its FSDP unit is unsharded right now: take this rank's rows
                 tensor = tensor[c.first_row : c.first_row + c.rows]
+            held = c.rows if c.source.ranks is not None else c.source.shape[0] if c.source.shape else None
+            if held is not None and tensor.shape[0] != held:
+                raise RuntimeError(
+                    f"{c.source.attr} of {type(c.source.module).__name__}: this rank holds {tensor.shape[0]} rows where "
+                    f"the sender planned {held}: its sharding changed since the publisher was built"
+                )
             if c.lo is not None:
                 tensor = tensor[c.lo : c.hi]
             srcs.append(tensor)
