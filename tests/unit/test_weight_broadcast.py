@@ -3,11 +3,7 @@ orchestrator accepted; the receiver (a separate process running the receive code
 exactly the tensors a filesystem publish writes. A receiver that dies mid-transfer leaves the trainer waiting for a
 new session, to which it sends the version again whole."""
 
-import subprocess
-import sys
 import threading
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,20 +24,7 @@ from slipstream.transport.weight_offers import (
 )
 from slipstream.transport.weights import READY, read_probe, weights_dir
 from tests.e2e.helpers import free_port
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _receiver(run_dir: Path, step: int, session: str, port: int, out: Path, die_after: int = -1):
-    argv = [sys.executable, "-m", "tests.unit.weight_receiver_proc", str(run_dir), str(step), session, "2", str(port)]
-    return subprocess.Popen([*argv, str(out), "--die-after", str(die_after)], cwd=REPO_ROOT)
-
-
-def _wait(predicate, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+from tests.unit.weight_receiver_proc import start_receiver, wait_for
 
 
 @pytest.mark.timeout(300)
@@ -61,17 +44,17 @@ def test_broadcast_survives_a_receiver_dying_mid_transfer(tiny_qwen3_dir, tmp_pa
         for step, die_first in ((1, True), (2, False)):
             thread = threading.Thread(target=lambda s=step: results.update({s: publisher.publish(s)}))
             thread.start()
-            _wait(lambda s=step: is_offered(config.output_dir, s))
+            wait_for(lambda s=step: is_offered(config.output_dir, s))
             assert len(read_manifest(config.output_dir, step)["buckets"]) >= 2  # a death can fall mid-transfer
             if die_first:
                 write_accept(config.output_dir, step, Accept("first", 2))
-                dead = _receiver(config.output_dir, step, "first", port, tmp_path / "dead.pt", die_after=1)
+                dead = start_receiver(config.output_dir, step, "first", 2, port, tmp_path / "dead.pt", die_after=1)
                 assert dead.wait(timeout=60) == 3
                 assert not (weights_dir(config.output_dir, step) / DELIVERED).exists()
             session = f"session-{step}"
             write_accept(config.output_dir, step, Accept(session, 2))
             out = tmp_path / f"got_{step}.pt"
-            assert _receiver(config.output_dir, step, session, port, out).wait(timeout=60) == 0
+            assert start_receiver(config.output_dir, step, session, 2, port, out).wait(timeout=60) == 0
             thread.join(timeout=60)
             assert not thread.is_alive()
             got = torch.load(out)["tensors"]

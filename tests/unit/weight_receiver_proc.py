@@ -2,11 +2,14 @@
 by broadcast with transport.weight_receiver (the code of Slipstream's vLLM engine), then saves what it got.
 `--die-after K` exits abruptly after K buckets, like an inference server killed mid-transfer.
 
-python -m tests.unit.weight_receiver_proc RUN_DIR STEP SESSION WORLD_SIZE PORT OUT [--die-after K]
+python -m tests.unit.weight_receiver_proc RUN_DIR STEP SESSION WORLD_SIZE PORT OUT [--die-after K] [--rank-offset N]
 """
 
 import argparse
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -15,15 +18,36 @@ from slipstream.transport.collective import GroupInit
 from slipstream.transport.weight_offers import read_manifest
 from slipstream.transport.weight_receiver import WeightReceiver
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_receiver(
+    run_dir: Path, step: int, session: str, world_size: int, port: int, out: Path, die_after: int = -1, senders: int = 1
+) -> subprocess.Popen:
+    """This module as a process: a receiver of `step` in `session` (group of `world_size`, after `senders` trainer
+    ranks) saving what it got to `out`."""
+    argv = [sys.executable, "-m", "tests.unit.weight_receiver_proc", str(run_dir), str(step), session, str(world_size)]
+    argv += [str(port), str(out), "--die-after", str(die_after), "--rank-offset", str(senders)]
+    return subprocess.Popen(argv, cwd=REPO_ROOT)
+
+
+def wait_for(predicate, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     for name in ("run_dir", "step", "session", "world_size", "port", "out"):
         parser.add_argument(name)
     parser.add_argument("--die-after", type=int, default=-1)
+    parser.add_argument("--rank-offset", type=int, default=1, help="trainer ranks that send (the group's first ranks)")
     args = parser.parse_args()
     receiver = WeightReceiver(torch.device("cpu"))
-    receiver.join(GroupInit("gloo", "127.0.0.1", int(args.port), args.session, int(args.world_size), timeout_s=60))
+    init = GroupInit("gloo", "127.0.0.1", int(args.port), args.session, int(args.world_size), args.rank_offset, 60)
+    receiver.join(init)
     got: dict[str, torch.Tensor] = {}
 
     def load(pairs: list[tuple[str, torch.Tensor]]) -> None:
