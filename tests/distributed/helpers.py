@@ -229,3 +229,16 @@ def gather_full_state_dict(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return strip_wrapped_prefix(get_model_state_dict(policy, options=options))
+
+
+class CollectBuckets:
+    """A bucket sink keeping a copy of every bucket's bytes, by bucket index."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, torch.Tensor] = {}
+
+    def send(self, index, bucket, flat) -> None:
+        self.buckets[index] = flat.clone()
+
+    def close(self) -> None:
+        pass

@@ -11,7 +11,7 @@ import torch
 from slipstream.config.shared import ModelConfig
 from slipstream.config.trainer import ParallelConfig, TrainerConfig
 from slipstream.trainer.shard_gather import rows_per_rank
-from tests.distributed.helpers import BatchedRanks, selected_params, write_step_batches
+from tests.distributed.helpers import BatchedRanks, CollectBuckets, selected_params, write_step_batches
 
 CASES = {
     # name: (family, impl, world size, parallel, whether every sharded tensor takes the chunked gather)
@@ -28,19 +28,6 @@ NOT_DIRECT = {"qwen3_moe-custom-fsdp2-ep2", "qwen3-custom-hsdp"}
 
 KEEP_IN_FP32 = {"qwen3-custom-fsdp2": ("q_norm",)}
 """Cases whose model publishes these (sharded) tensors in float32: their gathers travel in float32."""
-
-
-class _Collect:
-    """A bucket sink keeping a copy of every bucket's bytes."""
-
-    def __init__(self) -> None:
-        self.buckets: dict[int, torch.Tensor] = {}
-
-    def send(self, index, bucket, flat) -> None:
-        self.buckets[index] = flat.clone()
-
-    def close(self) -> None:
-        pass
 
 
 def stream_both_ways(
@@ -96,7 +83,7 @@ def stream_both_ways(
     results = {"pieces_root_unsharded": send_pieces(streams["unshard"], trainer.device)}
     for name, stream in streams.items():  # the per-layer unsharding last: it reshards the root when done
         manifest = Manifest(1, tuple(plan_buckets(stream.metas(), 1 << 15)))
-        sink = _Collect()
+        sink = CollectBuckets()
         stream_to(stream, manifest, [sink] if dist.get_rank() == 0 else [])
         gatherer = stream.gatherer
         results[name] = {
@@ -130,7 +117,7 @@ def send_pieces(stream, device: torch.device) -> dict:
         return {"not_direct": str(e)}
     manifest = sender.manifest(1)
     assert Manifest.from_dict(manifest.to_dict()) == manifest
-    sink = _Collect()
+    sink = CollectBuckets()
     group = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo")
     # the backend object itself, as the trainer's transfer group is (on NCCL: the pieces go as one coalesced group)
     sender.send(group._get_backend(device), device, sink if dist.get_rank() == 0 else None)

@@ -14,17 +14,7 @@ from slipstream.trainer.piece_send import NotDirect, PieceSender
 from slipstream.trainer.weight_export import HFWeightStream
 from slipstream.transport.bucket_assembly import stream_to
 from slipstream.transport.weight_stream import Manifest, plan_buckets
-
-
-class _Collect:
-    def __init__(self) -> None:
-        self.buckets: dict[int, torch.Tensor] = {}
-
-    def send(self, index, bucket, flat) -> None:
-        self.buckets[index] = flat.clone()
-
-    def close(self) -> None:
-        pass
+from tests.distributed.helpers import CollectBuckets
 
 
 def _model(family: str = "qwen3"):
@@ -52,7 +42,7 @@ def test_one_rank_sends_the_bytes_of_the_gather_path(family):
     sender = PieceSender(stream, buckets, 0, 1)
     manifest = sender.manifest(2)
     assert manifest.senders == 1 and all(b.rows is None for b in manifest.buckets) and len(buckets) > 2
-    got, want = _Collect(), _Collect()
+    got, want = CollectBuckets(), CollectBuckets()
     for _ in range(2):  # the second version reuses the buffers and views planned by the first
         sender.send(_group(), torch.device("cpu"), got)
     stream_to(stream, Manifest(2, buckets), [want])
