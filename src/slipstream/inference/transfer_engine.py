@@ -69,6 +69,9 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
     def _load(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         self._loaded.update(name for name, _ in pairs)
         self.model.load_weights(pairs)
+        copied = keep_deferred_loads(pairs)
+        if copied:
+            logger.debug("slipstream weight transfer: kept %d bytes of layers not complete yet", copied)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -80,6 +83,28 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
 
     def shutdown(self) -> None:
         self.receiver.shutdown()
+
+
+def keep_deferred_loads(pairs: list[tuple[str, torch.Tensor]]) -> int:
+    """vLLM's layer-wise reload does not copy a tensor when its loader is called: it keeps the tensor until its layer's
+    last weight has arrived (or until finish, for a layer never complete, such as a padded vocabulary), then loads
+    them all. A layer's weights can straddle buckets (q_proj at the end of one, k_proj and v_proj in the next; a MoE
+    layer's experts span several), and the receiver reuses a bucket's buffer for the bucket after next: a kept view
+    would then be read after the next bucket overwrote it. So every tensor still kept after this bucket's loads that
+    lives in this bucket's buffer is replaced by a copy of its own. Returns the bytes copied (0 when every layer of the
+    bucket completed within it)."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    buffers = {tensor.untyped_storage().data_ptr() for _, tensor in pairs if tensor.device.type != "meta"}
+    copied = 0
+    for info in list(LAYERWISE_INFO.values()):
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor) and value.device.type != "meta":
+                    if value.untyped_storage().data_ptr() in buffers:
+                        bound.arguments[key] = value.clone()
+                        copied += value.numel() * value.element_size()
+    return copied
 
 
 def shared_parameter_groups(model: torch.nn.Module) -> list[list[str]]:

@@ -1,0 +1,75 @@
+"""Run by tests/e2e/test_weight_buckets_vllm.py in a process of its own: the real vLLM CPU engine (in-process, one
+worker) takes two versions of a model's weights by broadcast from a sender thread, through vLLM's weight-transfer API
+and Slipstream's engine, in buckets small enough that vLLM's layers straddle them. Version 1 is the model's weights
+halved, version 2 the model's own. Prints one JSON line: the prompt log-probs before, after version 1, after version 2.
+
+    python vllm_reload_script.py MODEL_DIR PORT BUCKET_BYTES
+"""
+
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker runs in this process: collective_rpc is a call
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from slipstream.transport.collective import GroupInit, open_group, open_store  # noqa: E402
+from slipstream.transport.weight_stream import Manifest, TensorMeta, broadcast, plan_buckets  # noqa: E402
+
+PROMPT = list(range(5, 60))
+
+
+def main(model_dir: str, port: int, bucket_bytes: int) -> None:
+    from vllm import LLM, SamplingParams
+
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted(Path(model_dir).glob("*.safetensors")):
+        weights.update({n: t.float() for n, t in load_file(shard).items()})
+    versions = [{n: t * 0.5 for n, t in weights.items()}, weights]
+    manifest = Manifest(1, tuple(plan_buckets([TensorMeta.of(n, t) for n, t in weights.items()], bucket_bytes)))
+    init = GroupInit("gloo", "127.0.0.1", port, "reload", world_size=2, timeout_s=300)
+
+    def send() -> None:
+        store = open_store(init.master_addr, init.master_port, is_master=True, timeout_s=init.timeout_s)
+        group = open_group(store, init, 0, torch.device("cpu"))
+        for tensors in versions:
+            for bucket in manifest.buckets:
+                flat = torch.cat([tensors[t.name].reshape(-1).view(torch.uint8) for t in bucket.tensors])
+                broadcast(group, flat)
+
+    llm = LLM(
+        model_dir,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=256,
+        weight_transfer_config={"backend": "slipstream"},
+    )
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+
+    def logprobs() -> list[float]:
+        out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
+        return [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
+
+    before = logprobs()
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    llm.collective_rpc("init_weight_transfer_engine", args=(init.to_dict(),))
+    after = []
+    for _ in versions:
+        llm.collective_rpc("start_weight_update")
+        llm.collective_rpc("update_weights", args=({"step": 1, "manifest": manifest.to_dict()},))
+        llm.collective_rpc("finish_weight_update")
+        after.append(logprobs())
+    llm.collective_rpc("shutdown_weight_transfer_engine")
+    sender.join(timeout=60)
+    print("RESULT " + json.dumps({"buckets": len(manifest.buckets), "before": before, "after": after}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
