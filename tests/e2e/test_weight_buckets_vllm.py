@@ -1,7 +1,11 @@
-"""Buckets smaller than vLLM's layers, on the real vLLM CPU build: vLLM's layer-wise reload keeps the tensors a layer's
-loaders were given until the layer is complete, while the receiver reuses a bucket's buffer for the bucket after
-next. Slipstream's engine copies what vLLM still keeps (transfer_engine.keep_deferred_loads); without that, the
-model's own weights sent back came out wrong (prompt log-probs off by 3.3 nats)."""
+"""Slipstream's engine inside the real vLLM CPU build, three versions by broadcast (the model's weights halved, its
+own, halved again) in buckets smaller than vLLM's layers:
+- vLLM's layer-wise reload keeps the tensors a layer's loaders were given until the layer is complete, while the
+  receiver reuses a bucket's buffer for the bucket after next: the engine copies what vLLM still keeps
+  (transfer_engine.keep_deferred_loads). Without that the model's own weights came back wrong (log-probs off by 3.3).
+- The copy plan (transport/copy_plan.py): on the CPU build vLLM repacks linear weights for oneDNN through C++ the
+  plan cannot watch, and the plan is refused; with the layers' weights kept as loaded (what the GPU build does), the
+  first version is recorded and the next two are replayed, bit for bit."""
 
 import json
 import subprocess
@@ -16,11 +20,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 SCRIPT = Path(__file__).with_name("vllm_reload_script.py")
 BUCKET_BYTES = 100_000
 """Smaller than one layer's q_proj + k_proj + v_proj (131 + 65 + 65 KB in float32): layers straddle buckets."""
+TENSORS = 25
+"""The tiny Qwen3's checkpoint tensors (2 layers of 11, embeddings, final norm, LM head)."""
 
 
-def test_layers_straddling_buckets_load_exactly(tiny_qwen3_dir):
+def _reload(model_dir, *flags) -> dict:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tiny_qwen3_dir), str(free_port()), str(BUCKET_BYTES)],
+        [sys.executable, str(SCRIPT), str(model_dir), str(free_port()), str(BUCKET_BYTES), *flags],
         capture_output=True,
         text=True,
         timeout=500,
@@ -29,7 +35,21 @@ def test_layers_straddling_buckets_load_exactly(tiny_qwen3_dir):
     assert proc.returncode == 0 and lines, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-8000:]}"
     result = json.loads(lines[-1].removeprefix("RESULT "))
     assert result["buckets"] >= 10
-    before, (halved, own) = result["before"], result["after"]
+    before, (halved, own, halved_again) = result["before"], result["after"]
     assert len(before) == len(own) == len(halved) > 10
     assert max(abs(a - b) for a, b in zip(before, halved, strict=True)) > 0.1  # the update took effect
     assert own == before  # the model's own weights, sent back in small buckets: bit-exact
+    assert halved_again == halved
+    return result
+
+
+def test_layers_straddling_buckets_load_exactly_and_repacked_layers_refuse_the_plan(tiny_qwen3_dir):
+    plans = _reload(tiny_qwen3_dir)["plans"]
+    assert all(p["copies"] is None and p["replays"] == 0 for p in plans), plans
+    assert "a temporary that none of the model's parameters got" in plans[0]["refused"]
+
+
+def test_layers_that_keep_their_weights_are_replayed_from_the_copy_plan(tiny_qwen3_dir):
+    plans = _reload(tiny_qwen3_dir, "--unpacked")["plans"]
+    assert [p["replays"] for p in plans] == [0, 1, 2], plans
+    assert all(p["copies"] == TENSORS and p["refused"] is None for p in plans), plans

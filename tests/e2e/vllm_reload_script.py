@@ -1,9 +1,14 @@
 """Run by tests/e2e/test_weight_buckets_vllm.py in a process of its own: the real vLLM CPU engine (in-process, one
-worker) takes two versions of a model's weights by broadcast from a sender thread, through vLLM's weight-transfer API
-and Slipstream's engine, in buckets small enough that vLLM's layers straddle them. Version 1 is the model's weights
-halved, version 2 the model's own. Prints one JSON line: the prompt log-probs before, after version 1, after version 2.
+worker) takes three versions of a model's weights by broadcast from a sender thread, through vLLM's weight-transfer
+API and Slipstream's engine, in buckets small enough that vLLM's layers straddle them: the model's weights halved,
+the model's own, halved again. Prints one JSON line: the prompt log-probs before and after each version, and what
+the engine made of its copy plan (transport/copy_plan.py).
 
-    python vllm_reload_script.py MODEL_DIR PORT BUCKET_BYTES
+With `--unpacked`, vLLM's linear and embedding layers keep their weights as they were loaded (vLLM's own unpacked
+CPU path, `cpu_linear = F.linear`, which MLA's kv_b_proj takes) instead of repacking them for oneDNN: that is what
+these layers do on the GPU build, where their post-load processing does nothing, so the copy plan applies.
+
+    python vllm_reload_script.py MODEL_DIR PORT BUCKET_BYTES [--unpacked]
 """
 
 import json
@@ -25,13 +30,33 @@ from slipstream.transport.weight_stream import Manifest, TensorMeta, broadcast, 
 PROMPT = list(range(5, 60))
 
 
-def main(model_dir: str, port: int, bucket_bytes: int) -> None:
+def keep_weights_unpacked() -> None:
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    def plain(self, layer: torch.nn.Module) -> None:
+        layer.cpu_linear = torch.nn.functional.linear
+
+    UnquantizedLinearMethod.process_weights_after_loading = plain
+    UnquantizedEmbeddingMethod.process_weights_after_loading = plain
+
+
+def plan_state(worker) -> dict:
+    loads = worker.weight_transfer_engine.loads
+    return {"copies": loads.plan.num_copies if loads.plan else None, "refused": loads.refused, "replays": loads.replays}
+
+
+def main(model_dir: str, port: int, bucket_bytes: int, unpacked: bool) -> None:
     from vllm import LLM, SamplingParams
+
+    if unpacked:
+        keep_weights_unpacked()
 
     weights: dict[str, torch.Tensor] = {}
     for shard in sorted(Path(model_dir).glob("*.safetensors")):
         weights.update({n: t.float() for n, t in load_file(shard).items()})
-    versions = [{n: t * 0.5 for n, t in weights.items()}, weights]
+    halved = {n: t * 0.5 for n, t in weights.items()}
+    versions = [halved, weights, halved]
     manifest = Manifest(1, tuple(plan_buckets([TensorMeta.of(n, t) for n, t in weights.items()], bucket_bytes)))
     init = GroupInit("gloo", "127.0.0.1", port, "reload", world_size=2, timeout_s=300)
 
@@ -60,16 +85,18 @@ def main(model_dir: str, port: int, bucket_bytes: int) -> None:
     sender = threading.Thread(target=send, daemon=True)
     sender.start()
     llm.collective_rpc("init_weight_transfer_engine", args=(init.to_dict(),))
-    after = []
+    after, plans = [], []
     for _ in versions:
         llm.collective_rpc("start_weight_update")
         llm.collective_rpc("update_weights", args=({"step": 1, "manifest": manifest.to_dict()},))
         llm.collective_rpc("finish_weight_update")
         after.append(logprobs())
+        plans.append(llm.collective_rpc(plan_state)[0])
     llm.collective_rpc("shutdown_weight_transfer_engine")
     sender.join(timeout=60)
-    print("RESULT " + json.dumps({"buckets": len(manifest.buckets), "before": before, "after": after}), flush=True)
+    result = {"buckets": len(manifest.buckets), "before": before, "after": after, "plans": plans}
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "--unpacked" in sys.argv[4:])

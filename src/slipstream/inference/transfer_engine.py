@@ -5,9 +5,16 @@ receives each version either by broadcast from trainer rank 0 (gloo on CPU, NCCL
 Weights arrive in checkpoint (Hugging Face) format and go through vLLM's layer-wise reload: start_weight_update
 prepares it, every received bucket is handed to `model.load_weights`, finish_weight_update processes the layers and,
 on builds that keep a packed copy of a tied LM head, refreshes that copy (refresh_tied_modules).
+
+The first version's loads are watched (transport/copy_plan.py): when vLLM only copied the received bytes into the
+model's parameters (bf16 on GPU), later versions replay those copies, one fused copy per bucket, without vLLM's
+loaders or its layer-wise reload. Otherwise (vLLM's CPU build repacks linear weights; quantized layers transform
+them) every version keeps going through vLLM, and the log says why once. `SLIPSTREAM_WEIGHT_COPY_PLAN=0` turns the
+replay off.
 """
 
 import logging
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -18,6 +25,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from slipstream.transport.collective import GroupInit
+from slipstream.transport.copy_plan import PlanMismatch, PlannedLoads
 from slipstream.transport.weight_receiver import WeightReceiver
 
 logger = logging.getLogger(__name__)
@@ -45,6 +53,8 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
         self.receiver = WeightReceiver(torch.device(device), rank_in_receivers=rank)
         self._tied: list[list[str]] = []
         self._loaded: set[str] = set()
+        self.loads = PlannedLoads(enabled=os.environ.get(COPY_PLAN_ENV, "1") != "0")
+        self._layerwise = False
 
     def init_transfer_engine(self, init_info: GroupInit) -> None:
         self.receiver.join(init_info)
@@ -55,7 +65,10 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
 
         self._tied = shared_parameter_groups(self.model)
         self._loaded = set()
-        initialize_layerwise_reload(self.model)
+        self._layerwise = False
+        if not self.loads.start(lambda: model_tensors(self.model)):
+            initialize_layerwise_reload(self.model)
+            self._layerwise = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's default synchronises torch.accelerator, which raises on CPU; the receiver syncs CUDA itself.
@@ -68,21 +81,48 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
 
     def _load(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         self._loaded.update(name for name, _ in pairs)
-        self.model.load_weights(pairs)
-        copied = keep_deferred_loads(pairs)
+        if self.loads.replaying():
+            try:
+                self.loads.replay(pairs)
+                return
+            except PlanMismatch as e:
+                self.loads.record_instead()  # only at a version's first bucket; later, the version fails
+                logger.info("slipstream weight transfer: %s; this version loads through vLLM", e)
+                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+                initialize_layerwise_reload(self.model)
+                self._layerwise = True
+        with self.loads.call(pairs):
+            self.model.load_weights(pairs)
+            copied = keep_deferred_loads(pairs)
         if copied:
             logger.debug("slipstream weight transfer: kept %d bytes of layers not complete yet", copied)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
-        refreshed = refresh_tied_modules(self.model, self._tied, self._loaded)
-        if refreshed:
-            logger.info("slipstream weight transfer: refreshed tied modules %s", refreshed)
+        if self._layerwise:
+            with self.loads.finish():
+                finalize_layerwise_reload(self.model, self.model_config)
+                refreshed = refresh_tied_modules(self.model, self._tied, self._loaded)
+            if refreshed:
+                logger.info("slipstream weight transfer: refreshed tied modules %s", refreshed)
+        self._layerwise = False
+        line = self.loads.end(model_tensors(self.model))
+        if line:
+            logger.info("slipstream weight transfer: %s", line)
 
     def shutdown(self) -> None:
         self.receiver.shutdown()
+
+
+COPY_PLAN_ENV = "SLIPSTREAM_WEIGHT_COPY_PLAN"
+"""`0`: every version loads through vLLM's loaders (no copy plan)."""
+
+
+def model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The model's parameters and buffers: where a copy plan may write."""
+    return [*model.parameters(), *model.buffers()]
 
 
 def keep_deferred_loads(pairs: list[tuple[str, torch.Tensor]]) -> int:

@@ -1,0 +1,247 @@
+"""Weight loads replayed as fused copies (transport/copy_plan.py): a loader that only copies received bytes into the
+model (whole, fused q/k/v slices, stacked experts, through temporaries that are copied on, transposed, with constant
+padding) is recorded once and replayed bit for bit on new data; anything else is refused and the loader keeps every
+version."""
+
+import pytest
+import torch
+
+from slipstream.transport.copy_plan import LoadRecorder, PlanMismatch, PlannedLoads, PlanRefused
+
+VOCAB, PADDED, H, E, I = 7, 10, 8, 2, 3
+
+
+def _model() -> dict[str, torch.Tensor]:
+    return {
+        "qkv": torch.zeros(12, H),
+        "embed": torch.full((PADDED, H), 5.0),
+        "w_t": torch.zeros(H, 4),
+        "w13": torch.zeros(E, 2 * I, H),
+        "norm": torch.zeros(H),
+    }
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"q": (4, H), "k": (4, H), "v": (4, H), "embed": (VOCAB, H), "w": (4, H), "norm": (H,)}
+    shapes |= {f"experts.{e}.{p}": (I, H) for e in range(E) for p in ("gate", "up")}
+    return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
+def _buckets(weights: dict[str, torch.Tensor], sizes=(3, 4, 10)) -> list[list[tuple[str, torch.Tensor]]]:
+    """The weights in buckets as a receiver hands them over: views into one flat buffer per bucket."""
+    names, out, at = list(weights), [], 0
+    for n in sizes:
+        chunk = names[at : at + n]
+        at += n
+        flat = torch.cat([weights[x].reshape(-1) for x in chunk])
+        views, pos = [], 0
+        for x in chunk:
+            views.append((x, flat[pos : pos + weights[x].numel()].view(weights[x].shape)))
+            pos += weights[x].numel()
+        out.append(views)
+    return out
+
+
+def _slot(model: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """Where a checkpoint tensor goes in the model (a view)."""
+    if name in ("q", "k", "v"):
+        i = "qkv".index(name)
+        return model["qkv"][4 * i : 4 * i + 4]
+    if name == "embed":
+        return model["embed"][:VOCAB]
+    if name == "w":
+        return model["w_t"].t()
+    if name == "norm":
+        return model["norm"]
+    _, e, part = name.split(".")
+    return model["w13"][int(e), (0 if part == "gate" else I) : (I if part == "gate" else 2 * I)]
+
+
+def direct_loader(model):
+    def load(pairs):
+        for name, t in pairs:
+            if name == "w":
+                model["w_t"].copy_(t.t().contiguous())  # a transposed layout: still a copy of a view
+            else:
+                _slot(model, name).copy_(t)
+            if name == "embed":
+                model["embed"][VOCAB:].fill_(0)  # the padding rows: the same every version
+
+    return load
+
+
+class DeferredLoader:
+    """vLLM's layer-wise reload in small: a module's tensors are kept until the module is complete, then loaded into a
+    fresh temporary of the module's parameter, which is copied into the parameter."""
+
+    MODULES = {"qkv": ("q", "k", "v"), "w13": tuple(f"experts.{e}.{p}" for e in range(E) for p in ("gate", "up"))}
+
+    def __init__(self, model):
+        self.model, self.pending = model, {}
+
+    def __call__(self, pairs):
+        for name, t in pairs:
+            module = next((m for m, parts in self.MODULES.items() if name in parts), None)
+            if module is None:
+                direct_loader(self.model)([(name, t)])
+                continue
+            self.pending.setdefault(module, {})[name] = t
+            if len(self.pending[module]) == len(self.MODULES[module]):
+                temp = torch.empty_like(self.model[module])
+                view = {module: temp}
+                for part, data in self.pending.pop(module).items():
+                    _slot(view | {k: v for k, v in self.model.items() if k != module}, part).copy_(data)
+                self.model[module].copy_(temp)
+
+
+def _run(loads: PlannedLoads, model, loader, weights, sizes=(3, 4, 10)) -> bool:
+    replayed = loads.start(lambda: model.values())
+    for pairs in _buckets(weights, sizes):
+        if loads.replaying():
+            loads.replay(pairs)
+        else:
+            with loads.call(pairs):
+                loader(pairs)
+    loads.end(model.values())
+    return replayed
+
+
+def _expected(loader_cls, weights):
+    model = _model()
+    (loader_cls(model) if loader_cls is DeferredLoader else loader_cls(model))(list(weights.items()))
+    return model
+
+
+@pytest.mark.parametrize("loader_cls", [direct_loader, DeferredLoader], ids=["direct", "deferred"])
+def test_recorded_loads_replay_bit_for_bit(loader_cls):
+    model = _model()
+    loader = loader_cls(model)
+    calls = []
+
+    def counted(pairs):
+        calls.append(len(pairs))
+        loader(pairs)
+
+    loads = PlannedLoads()
+    assert not _run(loads, model, counted, _weights(0))  # recorded
+    assert loads.plan is not None and loads.refused is None
+    assert len(calls) == 3
+    for seed in (1, 2):
+        assert _run(loads, model, counted, _weights(seed))  # replayed: the loader is not called
+        assert len(calls) == 3
+        expected = _expected(loader_cls, _weights(seed))
+        for name in model:
+            assert torch.equal(model[name], expected[name]), name
+    assert torch.equal(model["embed"][VOCAB:], torch.zeros(PADDED - VOCAB, H))
+    # every copy of a call is one fused copy: the plan has one copy per received tensor here
+    assert loads.plan.num_copies == len(_weights(0))
+
+
+@pytest.mark.parametrize(
+    "transform,reason",
+    [
+        (lambda dst, t: dst.copy_(t * 2), "reads received weights"),
+        (lambda dst, t: dst.copy_(t.to(torch.float64).float()), "reads received weights"),
+        (lambda dst, t: dst.copy_(t.sum().expand_as(dst)), "reads received weights"),
+        (lambda dst, t: dst.copy_(t[:1].expand_as(dst)), None),  # a broadcast view of a received row: a copy
+    ],
+    ids=["scaled", "dtype round trip", "checksum", "broadcast view"],
+)
+def test_anything_but_a_copy_is_refused(transform, reason):
+    model = _model()
+
+    def loader(pairs):
+        for name, t in pairs:
+            if name == "norm":
+                transform(_slot(model, name), t)
+            else:
+                direct_loader(model)([(name, t)])
+
+    loads = PlannedLoads()
+    _run(loads, model, loader, _weights(0))
+    if reason is None:
+        assert loads.plan is not None
+        _run(loads, model, loader, _weights(1))
+        assert torch.equal(model["norm"], _weights(1)["norm"][:1].expand(H))
+        return
+    assert loads.plan is None and reason in loads.refused
+    assert not _run(loads, model, loader, _weights(1))  # no plan: the loader keeps every version, unwatched
+    assert loads.recorder is None
+
+
+def test_a_derived_copy_kept_outside_the_parameters_is_refused():
+    model, kept = _model(), {}
+
+    def loader(pairs):
+        direct_loader(model)(pairs)
+        if any(name == "q" for name, _ in pairs):
+            kept["packed"] = model["qkv"].clone()  # a repacked copy the module would use: a replay leaves it stale
+
+    loads = PlannedLoads()
+    _run(loads, model, loader, _weights(0))
+    assert loads.plan is None and "kept outside the model's parameters" in loads.refused
+    kept.clear()
+
+
+def test_dtype_conversion_in_the_copy_is_refused():
+    rec = LoadRecorder()
+    dst = torch.zeros(4, dtype=torch.float64)
+    src = torch.ones(4)
+    with rec.call([("x", src)]):
+        dst.copy_(src)
+    with pytest.raises(PlanRefused, match="float32 into"):
+        rec.compile([dst])
+
+
+def test_partly_overwritten_received_bytes_are_refused():
+    rec = LoadRecorder()
+    dst = torch.zeros(8)
+    src = torch.ones(8)
+    with rec.call([("x", src)]):
+        dst.copy_(src)
+        dst[2:4].fill_(0)
+    with pytest.raises(PlanRefused, match="partly overwritten"):
+        rec.compile([dst])
+
+
+def test_other_tensors_than_the_plans_are_a_mismatch():
+    model = _model()
+    loads = PlannedLoads()
+    _run(loads, model, direct_loader(model), _weights(0))
+    # the first call differs: the version goes to the loader and is recorded anew
+    assert loads.start(lambda: model.values())
+    with pytest.raises(PlanMismatch):
+        loads.replay(_buckets(_weights(1), (4, 3, 10))[0])
+    loads.record_instead()
+    for pairs in _buckets(_weights(1), (4, 3, 10)):
+        with loads.call(pairs):
+            direct_loader(model)(pairs)
+    loads.end(model.values())
+    assert loads.plan is not None and loads.plan.calls[0].names == ("q", "k", "v", "embed")
+    # a call in the middle of a version differs: that version fails, and says so
+    assert loads.start(lambda: model.values())
+    buckets = _buckets(_weights(2), (4, 3, 10))
+    loads.replay(buckets[0])
+    with pytest.raises(PlanMismatch):
+        loads.replay(_buckets(_weights(2), (4, 4, 9))[1])
+    with pytest.raises(PlanMismatch, match="middle of a version"):
+        loads.record_instead()
+
+
+def test_a_plan_is_dropped_when_the_models_storage_changes():
+    model = _model()
+    loads = PlannedLoads()
+    _run(loads, model, direct_loader(model), _weights(0))
+    assert loads.plan is not None
+    model["qkv"] = torch.zeros(12, H)  # vLLM re-allocated a parameter (a reload from disk, sleep mode)
+    assert not loads.start(lambda: model.values())
+    assert loads.recorder is not None
+
+
+def test_disabled_never_records():
+    model = _model()
+    loads = PlannedLoads(enabled=False)
+    for seed in range(2):
+        assert not _run(loads, model, direct_loader(model), _weights(seed))
+    assert loads.plan is None and loads.recorder is None
