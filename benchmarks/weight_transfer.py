@@ -1,6 +1,9 @@
 """Weight transfer benchmark (GPU): the trainer's weight stream, both ways `slipstream rl` sends it, into receiver
-processes running the receive-and-load code of Slipstream's vLLM engine (transport/weight_receiver.py; "load" copies
-every tensor into the receiver's own preallocated bf16 parameters, as vLLM's load_weights does):
+processes running the receive-and-load code of Slipstream's vLLM engine (transport/weight_receiver.py). Their loader
+copies every tensor into the receiver's own preallocated bf16 parameters, one `copy_` per tensor as vLLM's
+load_weights goes; as in the engine, the first version's loads are recorded into a copy plan (transport/copy_plan.py)
+and later versions replay it, one fused copy per bucket (`stream`). `stream_tensorloads` is the same stream with
+every version loaded tensor by tensor, `stream_noload` with receivers that do not load.
 - `pieces` (what the trainer uses when the model's sharding allows, trainer/piece_send.py): every trainer rank casts
   its own rows of each bucket into a reused buffer and broadcasts them; receivers lay the bucket out whole;
 - `gather` (the fallback, trainer/weight_export.py): FSDP shards cast to bf16 and all-gathered a chunk of layers at a
@@ -62,6 +65,8 @@ RAW_BYTES = 512 << 20
 """The raw broadcast baseline's buffer: 512 MiB whatever the bucket size, so a smaller bucket cannot lower the bar."""
 RAW_ITERS = 10
 REPEATS = 3
+PHASES = ("stream_noload", "stream_tensorloads", "stream")
+"""Receivers: not loading; loading tensor by tensor; replaying the copy plan recorded at the phase's warm-up."""
 DEVICE_TYPE = "cuda"
 """`--device cpu` runs every path on gloo ranks (a smoke run of this benchmark's code; its figures mean nothing)."""
 
@@ -128,7 +133,7 @@ def sender_pieces(rank: int, args: dict, pieces, manifest, group, results: dict)
         _raw(group, 0, results, "pieces_")
     else:
         _receive_raw(group)
-    for phase in ("stream_noload", "stream"):
+    for phase in PHASES:
         times = []
         for _ in range(REPEATS + 1):  # the first is a warm-up
             _trainer_barrier(args)
@@ -176,7 +181,7 @@ def sender(rank: int, args: dict, stream, manifest, group, results: dict) -> Non
         results["plan_bare_s"] = min(times[1:])
         del buf
     buffers = BucketBuffers()  # kept from one version to the next, as the trainer's publisher does
-    for phase in ("stream_noload", "stream"):
+    for phase in PHASES:
         times = []
         for _ in range(REPEATS + 1):  # the first is a warm-up
             _trainer_barrier(args)
@@ -295,10 +300,14 @@ def receiver(index: int, args: dict, inits: dict, manifests: dict, results) -> N
             rx = WeightReceiver(device, rank_in_receivers=index)
             rx.join(inits["pieces"])
             _receive_raw(rx.group)
-            _receive_stream(rx, manifests["pieces"], load, args, f"pieces-receiver{index}" if index == 0 else None)
+            trace = f"pieces-receiver{index}" if index == 0 else None
+            exact = _receive_stream(rx, manifests["pieces"], load, params, args, trace)
+            results[f"receiver{index}_pieces_plan_exact"] = exact
             rx.shutdown()
         else:
-            _receive_gathered(index, args, inits["gather"], manifest, load)
+            results[f"receiver{index}_gather_plan_exact"] = _receive_gathered(
+                index, args, inits["gather"], manifest, load, params
+            )
         loaded_by[path] = {n: p.clone() for n, p in params.items()}
     if len(loaded_by) == 2:
         a, b = loaded_by.values()
@@ -307,20 +316,47 @@ def receiver(index: int, args: dict, inits: dict, manifests: dict, results) -> N
         )
 
 
-def _receive_stream(rx, manifest, load, args: dict, trace: str | None) -> None:
-    """The stream REPEATS + 1 times without loading, as many times loading, then (--profile) once traced."""
+def _receive_stream(rx, manifest, load, params: dict, args: dict, trace: str | None) -> bool:
+    """The stream REPEATS + 1 times for each of PHASES, then (--profile) once traced, loading by the copy plan.
+    Parameters are NaN-filled before every replayed version; returns whether the replays left exactly the bytes the
+    tensor-by-tensor loads did."""
+    from slipstream.transport.copy_plan import PlannedLoads
+
     info = {"step": manifest.step, "manifest": manifest.to_dict()}
-    for loader in (lambda pairs: None, load):  # stream_noload, then stream
+    loads = PlannedLoads()  # recorded at its phase's warm-up, as the engine records the first version
+
+    def planned(pairs) -> None:
+        if loads.replaying():
+            loads.replay(pairs)
+            return
+        with loads.call(pairs):
+            load(pairs)
+
+    def receive(loader) -> None:
+        if loader is planned and loads.start(params.values):
+            for p in params.values():
+                p.fill_(float("nan"))  # a replay that misses a byte cannot keep the loads' value
+        rx.receive(info, loader)
+        if loader is planned:
+            loads.end(params.values())
+        _sync(rx.group)
+
+    loaded = {}
+    for loader in (lambda pairs: None, load, planned):  # PHASES
         for _ in range(REPEATS + 1):
-            rx.receive(info, loader)
-            _sync(rx.group)
+            receive(loader)
+        if loader is load:
+            loaded = {n: p.clone() for n, p in params.items()}
+    if loads.plan is None or loads.replays != REPEATS:
+        raise RuntimeError(f"the receiver's loads were not replayed from a copy plan: {loads.refused}")
+    exact = all(torch.equal(loaded[n].view(torch.uint8), p.view(torch.uint8)) for n, p in params.items())
     if args["profile"]:
         with _traced(args, trace):
-            rx.receive(info, load)
-            _sync(rx.group)
+            receive(planned)
+    return exact
 
 
-def _receive_gathered(index: int, args: dict, init, manifest, load) -> None:
+def _receive_gathered(index: int, args: dict, init, manifest, load, params: dict) -> bool:
     from slipstream.transport.bucket_receive import receive_buckets
     from slipstream.transport.weight_receiver import WeightReceiver
 
@@ -332,10 +368,10 @@ def _receive_gathered(index: int, args: dict, init, manifest, load) -> None:
         for _pairs in receive_buckets(rx.group, manifest, device):
             pass
         _sync(rx.group)
-    _receive_stream(rx, manifest, load, args, f"receiver{index}" if index == 0 else None)
+    exact = _receive_stream(rx, manifest, load, params, args, f"receiver{index}" if index == 0 else None)
     if args["skip_filesystem"]:
         rx.shutdown()
-        return
+        return exact
     folder = Path(args["fs_dir"])
     while not (folder / "READY").exists():
         time.sleep(0.01)
@@ -343,6 +379,7 @@ def _receive_gathered(index: int, args: dict, init, manifest, load) -> None:
     _synchronize()
     _sync(rx.group)
     rx.shutdown()
+    return exact
 
 
 def worker(rank: int, args: dict, results) -> None:
@@ -491,14 +528,16 @@ def main() -> int:
                 print(
                     f"{scenario:6s} {model:18s} {r['bytes'] / 1e9:6.2f} GB: pieces stream {r['pieces_stream_s']:.4f}s "
                     f"({r['pieces_stream_gbps']:.1f} GB/s; receivers not loading {r['pieces_stream_noload_s'] * 1e3:.1f}"
-                    f" ms) vs raw NCCL broadcast {r['pieces_raw_gbps']:.1f} GB/s -> efficiency "
-                    f"{r['pieces_efficiency']:.2f}",
+                    f" ms, loading tensor by tensor {r['pieces_stream_tensorloads_s'] * 1e3:.1f} ms) vs raw NCCL "
+                    f"broadcast {r['pieces_raw_gbps']:.1f} GB/s -> efficiency {r['pieces_efficiency']:.2f}",
                     flush=True,
                 )
             if "gather" not in paths:
                 continue
             agree = [r[k] for k in sorted(r) if k.endswith("_paths_agree")]
             print(f"{'':6s} every receiver got the same bytes by both paths: {all(agree)} ({len(agree)} receivers)")
+            exact = [r[k] for k in sorted(r) if k.endswith("_plan_exact")]
+            print(f"{'':6s} copy-plan replays left the bytes of tensor-by-tensor loads: {all(exact)} ({len(exact)})")
             print(
                 f"{scenario:6s} {model:18s} {r['bytes'] / 1e9:6.2f} GB: gather stream {r['stream_s']:.4f}s "
                 f"({r['stream_gbps']:.1f} GB/s) vs raw NCCL broadcast {r['raw_gbps']:.1f} GB/s "
@@ -513,8 +552,8 @@ def main() -> int:
             assemble = f"{r['assemble_s'] * 1e3:.1f} ms" if "assemble_s" in r else "n/a (FSDP)"
             print(
                 f"{'':6s} where it goes: plan's buckets bare {r['plan_bare_s'] * 1e3:.1f} ms, assembly alone "
-                f"{assemble}, stream without receiver loads {r['stream_noload_s'] * 1e3:.1f} ms, stream "
-                f"{r['stream_s'] * 1e3:.1f} ms",
+                f"{assemble}, stream without receiver loads {r['stream_noload_s'] * 1e3:.1f} ms, loading tensor by "
+                f"tensor {r['stream_tensorloads_s'] * 1e3:.1f} ms, stream {r['stream_s'] * 1e3:.1f} ms",
                 flush=True,
             )
     if not efficiencies:

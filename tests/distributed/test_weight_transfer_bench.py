@@ -1,6 +1,7 @@
 """benchmarks/weight_transfer.py on gloo ranks (`--device cpu`, a smoke run whose figures mean nothing): FSDP=2 over
 two trainer ranks to two receivers, by both paths (every trainer rank sending its own rows, and rank 0 sending after
-a gather); every receiver must end with the same bytes both ways, and the script prints its figure last."""
+a gather); every receiver must end with the same bytes both ways, its copy-plan replays with the bytes of
+tensor-by-tensor loads, and the script prints its figure last."""
 
 import json
 import os
@@ -23,6 +24,8 @@ def test_both_paths_leave_every_receiver_with_the_same_bytes():
     lines = proc.stdout.strip().splitlines()
     result = json.loads(next(line for line in lines if line.startswith("{")))
     assert result["receiver0_paths_agree"] is True and result["receiver1_paths_agree"] is True
+    # the receivers' copy-plan replays left exactly what tensor-by-tensor loads did, on both paths
+    assert [result[f"receiver{i}_{p}_plan_exact"] for i in (0, 1) for p in ("pieces", "gather")] == [True] * 4
     assert result["num_tensors"] == 310 and result["num_buckets"] >= 2
     assert lines[-1].startswith("transfer_efficiency: ")
     assert float(lines[-1].split()[-1]) == pytest.approx(result["pieces_efficiency"], abs=1e-3)

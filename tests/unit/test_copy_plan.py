@@ -8,24 +8,27 @@ import torch
 
 from slipstream.transport.copy_plan import LoadRecorder, PlanMismatch, PlannedLoads, PlanRefused
 
-VOCAB, PADDED, H, E, I = 7, 10, 8, 2, 3
+VOCAB, PADDED, H, E, W = 7, 10, 8, 2, 3
 
 
-def _model() -> dict[str, torch.Tensor]:
+def _model(device: str = "cpu") -> dict[str, torch.Tensor]:
     return {
-        "qkv": torch.zeros(12, H),
-        "embed": torch.full((PADDED, H), 5.0),
-        "w_t": torch.zeros(H, 4),
-        "w13": torch.zeros(E, 2 * I, H),
-        "norm": torch.zeros(H),
+        n: t.to(device)
+        for n, t in {
+            "qkv": torch.zeros(12, H),
+            "embed": torch.full((PADDED, H), 5.0),
+            "w_t": torch.zeros(H, 4),
+            "w13": torch.zeros(E, 2 * W, H),
+            "norm": torch.zeros(H),
+        }.items()
     }
 
 
-def _weights(seed: int) -> dict[str, torch.Tensor]:
+def _weights(seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     shapes = {"q": (4, H), "k": (4, H), "v": (4, H), "embed": (VOCAB, H), "w": (4, H), "norm": (H,)}
-    shapes |= {f"experts.{e}.{p}": (I, H) for e in range(E) for p in ("gate", "up")}
-    return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    shapes |= {f"experts.{e}.{p}": (W, H) for e in range(E) for p in ("gate", "up")}
+    return {n: torch.randn(s, generator=g).to(device) for n, s in shapes.items()}
 
 
 def _buckets(weights: dict[str, torch.Tensor], sizes=(3, 4, 10)) -> list[list[tuple[str, torch.Tensor]]]:
@@ -55,7 +58,7 @@ def _slot(model: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     if name == "norm":
         return model["norm"]
     _, e, part = name.split(".")
-    return model["w13"][int(e), (0 if part == "gate" else I) : (I if part == "gate" else 2 * I)]
+    return model["w13"][int(e), (0 if part == "gate" else W) : (W if part == "gate" else 2 * W)]
 
 
 def direct_loader(model):
@@ -107,15 +110,25 @@ def _run(loads: PlannedLoads, model, loader, weights, sizes=(3, 4, 10)) -> bool:
     return replayed
 
 
-def _expected(loader_cls, weights):
-    model = _model()
+def _expected(loader_cls, weights, device: str = "cpu"):
+    model = _model(device)
     (loader_cls(model) if loader_cls is DeferredLoader else loader_cls(model))(list(weights.items()))
     return model
 
 
 @pytest.mark.parametrize("loader_cls", [direct_loader, DeferredLoader], ids=["direct", "deferred"])
-def test_recorded_loads_replay_bit_for_bit(loader_cls):
-    model = _model()
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+        ),
+    ],
+)
+def test_recorded_loads_replay_bit_for_bit(loader_cls, device):
+    model = _model(device)
     loader = loader_cls(model)
     calls = []
 
@@ -124,16 +137,16 @@ def test_recorded_loads_replay_bit_for_bit(loader_cls):
         loader(pairs)
 
     loads = PlannedLoads()
-    assert not _run(loads, model, counted, _weights(0))  # recorded
+    assert not _run(loads, model, counted, _weights(0, device))  # recorded
     assert loads.plan is not None and loads.refused is None
     assert len(calls) == 3
     for seed in (1, 2):
-        assert _run(loads, model, counted, _weights(seed))  # replayed: the loader is not called
+        assert _run(loads, model, counted, _weights(seed, device))  # replayed: the loader is not called
         assert len(calls) == 3
-        expected = _expected(loader_cls, _weights(seed))
+        expected = _expected(loader_cls, _weights(seed, device), device)
         for name in model:
             assert torch.equal(model[name], expected[name]), name
-    assert torch.equal(model["embed"][VOCAB:], torch.zeros(PADDED - VOCAB, H))
+    assert torch.equal(model["embed"][VOCAB:].cpu(), torch.zeros(PADDED - VOCAB, H))
     # every copy of a call is one fused copy: the plan has one copy per received tensor here
     assert loads.plan.num_copies == len(_weights(0))
 
