@@ -6,6 +6,7 @@ version."""
 import pytest
 import torch
 
+from slipstream.transport import copy_plan
 from slipstream.transport.copy_plan import LoadRecorder, PlanMismatch, PlannedLoads, PlanRefused
 
 VOCAB, PADDED, H, E, W = 7, 10, 8, 2, 3
@@ -127,7 +128,9 @@ def _expected(loader_cls, weights, device: str = "cpu"):
         ),
     ],
 )
-def test_recorded_loads_replay_bit_for_bit(loader_cls, device):
+@pytest.mark.parametrize("fused_max", [1 << 20, 0], ids=["fused", "memcpy"])
+def test_recorded_loads_replay_bit_for_bit(loader_cls, device, fused_max, monkeypatch):
+    monkeypatch.setattr(copy_plan, "FUSED_MAX_BYTES", fused_max)
     model = _model(device)
     loader = loader_cls(model)
     calls = []
@@ -147,8 +150,9 @@ def test_recorded_loads_replay_bit_for_bit(loader_cls, device):
         for name in model:
             assert torch.equal(model[name], expected[name]), name
     assert torch.equal(model["embed"][VOCAB:].cpu(), torch.zeros(PADDED - VOCAB, H))
-    # every copy of a call is one fused copy: the plan has one copy per received tensor here
+    # one copy per received tensor here, replayed fused or as a memcpy each
     assert loads.plan.num_copies == len(_weights(0))
+    assert sum(len(c.small if fused_max else c.large) for c in loads.plan.calls) == len(_weights(0))
 
 
 @pytest.mark.parametrize(

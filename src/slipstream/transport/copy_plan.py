@@ -37,6 +37,10 @@ from torch.utils._pytree import tree_leaves
 
 aten = torch.ops.aten
 Pairs = list[tuple[str, torch.Tensor]]
+FUSED_MAX_BYTES = 1 << 20
+"""Copies up to this size are replayed by one fused `_foreach_copy_` per call (host time is what small copies cost);
+larger ones by a `copy_` each, a device memcpy: on an H200 the fused kernel moved a MoE bucket's 3 MiB experts
+slower than memcpy did, and slowed the NCCL receive running beside it (benchmarks/RESULTS.md)."""
 _FILLS = {aten.fill_.Scalar, aten.zero_.default}
 _COPIES = {aten.clone.default, aten._to_copy.default}
 
@@ -348,6 +352,10 @@ class _CallPlan:
 
     def __post_init__(self) -> None:
         self.dsts = [v.on(t.untyped_storage(), 0, t.device) for _, t, v in self.copies]
+        self.large = [i for i, d in enumerate(self.dsts) if d.numel() * d.element_size() > FUSED_MAX_BYTES]
+        large = set(self.large)
+        self.small = [i for i in range(len(self.dsts)) if i not in large]
+        self.small_dsts = [self.dsts[i] for i in self.small]
 
     def sources(self, pairs: Pairs) -> list[torch.Tensor]:
         keys = tuple((id(t), t.data_ptr()) for _, t in pairs)
@@ -395,7 +403,10 @@ class CopyPlan:
             for s, d in zip(srcs, call.dsts, strict=True):
                 d.copy_(s, non_blocking=True)
             return
-        torch._foreach_copy_(call.dsts, srcs, non_blocking=True)
+        for i in call.large:
+            call.dsts[i].copy_(srcs[i], non_blocking=True)
+        if call.small:
+            torch._foreach_copy_(call.small_dsts, [srcs[i] for i in call.small], non_blocking=True)
 
 
 class PlannedLoads:
