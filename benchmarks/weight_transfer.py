@@ -20,7 +20,7 @@ run, and the filesystem path (the same stream written as safetensors shards, the
 the trainer takes (`pieces`) is printed last.
 
     python benchmarks/weight_transfer.py [--scenarios 1to1,fsdp2] [--models qwen3-0.6b,qwen3-30b-a3b-8l] [--bucket-mb 512]
-        [--paths pieces,gather] [--skip-filesystem] [--profile DIR]
+        [--first-bucket-mb 64] [--paths pieces,gather] [--skip-filesystem] [--profile DIR]
 """
 
 import argparse
@@ -60,6 +60,8 @@ DEFAULT_MODELS = ("qwen3-0.6b", "qwen3-30b-a3b-8l")
 SCENARIOS = {"1to1": (1, 1), "fsdp2": (2, 2)}
 """name -> (trainer ranks, receivers)."""
 BUCKET_MB = 512
+FIRST_BUCKET_MB = 64
+"""The trainer's default weights.first_bucket_mb: buckets of 64, 128, 256, then 512 MiB."""
 PATHS = ("pieces", "gather")
 RAW_BYTES = 512 << 20
 """The raw broadcast baseline's buffer: 512 MiB whatever the bucket size, so a smaller bucket cannot lower the bar."""
@@ -137,6 +139,7 @@ def sender_pieces(rank: int, args: dict, pieces, manifest, group, results: dict)
         times = []
         for _ in range(REPEATS + 1):  # the first is a warm-up
             _trainer_barrier(args)
+            _sync(group)  # the receivers are ready (they NaN-fill their parameters before a checked version)
             start = time.perf_counter()
             pieces.send(group, device)
             _sync(group)  # every receiver has loaded the last bucket
@@ -144,6 +147,7 @@ def sender_pieces(rank: int, args: dict, pieces, manifest, group, results: dict)
         results[f"pieces_{phase}_s"] = min(times[1:])
     if args["profile"]:
         _trainer_barrier(args)
+        _sync(group)
         with _traced(args, "pieces-sender" if rank == 0 else None):
             pieces.send(group, device)
             _sync(group)
@@ -185,6 +189,8 @@ def sender(rank: int, args: dict, stream, manifest, group, results: dict) -> Non
         times = []
         for _ in range(REPEATS + 1):  # the first is a warm-up
             _trainer_barrier(args)
+            if rank == 0:
+                _sync(group)  # the receivers are ready
             start = time.perf_counter()
             stream_to(stream, manifest, [BroadcastSink(group, device)] if rank == 0 else [], buffers)
             if rank == 0:
@@ -196,6 +202,8 @@ def sender(rank: int, args: dict, stream, manifest, group, results: dict) -> Non
         _time_assembly(stream, manifest, buffers, results)
     if args["profile"]:  # one more version, traced on trainer rank 0 (its collectives need every trainer rank)
         _trainer_barrier(args)
+        if rank == 0:
+            _sync(group)
         with _traced(args, "sender" if rank == 0 else None):
             stream_to(stream, manifest, [BroadcastSink(group, device)] if rank == 0 else [], buffers)
             if rank == 0:
@@ -333,9 +341,12 @@ def _receive_stream(rx, manifest, load, params: dict, args: dict, trace: str | N
             load(pairs)
 
     def receive(loader) -> None:
-        if loader is planned and loads.start(params.values):
+        if loader is planned and loads.plan is not None:
             for p in params.values():
                 p.fill_(float("nan"))  # a replay that misses a byte cannot keep the loads' value
+        _sync(rx.group)  # the sender starts its clock now
+        if loader is planned:
+            loads.start(params.values)  # inside the clock, as the engine's start_weight_update
         rx.receive(info, loader)
         if loader is planned:
             loads.end(params.values())
@@ -417,7 +428,8 @@ def worker(rank: int, args: dict, results) -> None:
     else:
         stream = None
         metas = HFWeightStream(build_model(args["model"], torch.device("meta")), torch.bfloat16).metas()
-    manifest = Manifest(1, tuple(plan_buckets(metas, args["bucket_mb"] << 20)))
+    first = args["first_bucket_mb"] << 20 if args["first_bucket_mb"] else None
+    manifest = Manifest(1, tuple(plan_buckets(metas, args["bucket_mb"] << 20, first)))
     store = open_store("127.0.0.1", args["store_port"], is_master=rank == 0, timeout_s=300)
     if rank < num_trainers:
         out: dict = {}
@@ -454,6 +466,7 @@ def run(
     profile: str | None = None,
     paths: tuple[str, ...] = PATHS,
     device: str = "cuda",
+    first_bucket_mb: int = FIRST_BUCKET_MB,
 ) -> dict:
     num_trainers, num_receivers = SCENARIOS[scenario]
     fs_dir = Path(tempfile.mkdtemp(prefix="slipstream-wt-"))
@@ -465,6 +478,7 @@ def run(
         "trainer_port": free_port(),
         "fs_dir": str(fs_dir / "weights"),
         "bucket_mb": bucket_mb,
+        "first_bucket_mb": first_bucket_mb,
         "skip_filesystem": skip_filesystem,
         "profile": profile,
         "scenario": scenario,
@@ -501,6 +515,12 @@ def main() -> int:
         "--bucket-mb", type=int, default=BUCKET_MB, help="bucket size (the trainer's weights.bucket_mb)"
     )
     parser.add_argument(
+        "--first-bucket-mb",
+        type=int,
+        default=FIRST_BUCKET_MB,
+        help="first bucket's size, doubling up to --bucket-mb (the trainer's weights.first_bucket_mb); 0: no ramp",
+    )
+    parser.add_argument(
         "--profile",
         default=None,
         metavar="DIR",
@@ -513,7 +533,8 @@ def main() -> int:
     cli = parser.parse_args()
     num_gpus = torch.cuda.device_count() if cli.device == "cuda" else 4
     gpu = torch.cuda.get_device_name(0) if cli.device == "cuda" and num_gpus else "CPU (gloo)"
-    print(f"# {num_gpus} x {gpu}, torch {torch.__version__}, bucket {cli.bucket_mb} MiB, bf16", flush=True)
+    ramp = f" (first {cli.first_bucket_mb} MiB, doubling)" if cli.first_bucket_mb else ""
+    print(f"# {num_gpus} x {gpu}, torch {torch.__version__}, bucket {cli.bucket_mb} MiB{ramp}, bf16", flush=True)
     efficiencies = []
     for scenario in cli.scenarios.split(","):
         if sum(SCENARIOS[scenario]) > num_gpus:
@@ -521,7 +542,16 @@ def main() -> int:
             continue
         for model in cli.models.split(","):
             paths = tuple(cli.paths.split(","))
-            r = run(scenario, model, cli.bucket_mb, cli.skip_filesystem, cli.profile, paths, cli.device)
+            r = run(
+                scenario,
+                model,
+                cli.bucket_mb,
+                cli.skip_filesystem,
+                cli.profile,
+                paths,
+                cli.device,
+                cli.first_bucket_mb,
+            )
             efficiencies.append(r["pieces_efficiency" if "pieces" in paths else "efficiency"])
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
             if "pieces" in paths:

@@ -233,3 +233,14 @@ def test_a_plan_parsed_before_is_reused_only_when_it_is_the_same():
         Manifest.from_dict(bad)
     with pytest.raises(ValueError, match="'step'"):
         Manifest.from_dict(json.loads(Manifest(2, plan).to_json()) | {"step": -1})
+
+
+def test_buckets_ramp_up_from_the_first_size():
+    metas = [TensorMeta(f"t{i}", "float32", (4,)) for i in range(40)]  # 16 bytes each
+    buckets = plan_buckets(metas, bucket_bytes=128, first_bytes=16)
+    assert [b.nbytes for b in buckets] == [16, 32, 64, 128, 128, 128, 128, 16]
+    assert sum(b.nbytes for b in buckets) == 640 and all(b.nbytes <= 128 for b in buckets)
+    assert [t.name for b in buckets for t in b.tensors] == [m.name for m in metas]  # order kept
+    assert plan_buckets(metas, 128, None) == plan_buckets(metas, 128)  # no ramp: every bucket up to the size
+    with pytest.raises(ValueError, match="first bucket size"):
+        plan_buckets(metas, 128, 0)

@@ -87,7 +87,8 @@ class WeightPublisher:
             self.store = open_store(w.master_addr, port, is_master=True, timeout_s=w.accept_timeout_s)
         self.files = PublishedFiles(trainer.hf_config, trainer.compute_dtype, trainer.tokenizer, trainer.model_dir)
         self.stream = HFWeightStream(trainer.model, trainer.compute_dtype)  # the per-layer plan, built once
-        self.buckets = tuple(plan_buckets(self.stream.metas(), self.bucket_bytes))
+        first = config.weights.first_bucket_mb
+        self.buckets = tuple(plan_buckets(self.stream.metas(), self.bucket_bytes, first << 20 if first else None))
         self.buffers = BucketBuffers()
         """Rank 0's bucket buffers (3 buckets of `weights.bucket_mb`), kept from one version to the next."""
         self.pieces: PieceSender | None = None

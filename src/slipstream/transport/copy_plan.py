@@ -270,6 +270,7 @@ class LoadRecorder(TorchDispatchMode):
         """The plan for the model whose parameters and buffers are `tensors`; raises PlanRefused."""
         if self.refused is not None:
             raise PlanRefused(self.refused)
+        tensors = list(tensors)
         kept = {}
         for t in tensors:
             if t.device.type != "meta" and t.numel():
@@ -295,7 +296,7 @@ class LoadRecorder(TorchDispatchMode):
                 f"received {name!r} was copied into a temporary that none of the model's parameters got (the layer "
                 "may keep a repacked copy made by an operation that is not watched)"
             )
-        return CopyPlan([_CallPlan(names, tuple(c)) for names, c in zip(self.calls, copies, strict=True)])
+        return CopyPlan([_CallPlan(names, tuple(c)) for names, c in zip(self.calls, copies, strict=True)], tensors)
 
 
 def _resolve(writes: list[_Write]) -> list[tuple[Received, View]]:
@@ -375,18 +376,21 @@ class PlanMismatch(Exception):
 class CopyPlan:
     """Per loader call of a version: the tensor names it gets and its copies."""
 
-    def __init__(self, calls: list[_CallPlan]) -> None:
+    def __init__(self, calls: list[_CallPlan], tensors: list[torch.Tensor]) -> None:
         self.calls = calls
-        self.storages = {_ptr(t): t.untyped_storage().nbytes() for c in calls for _, t, _ in c.copies}
+        self.ids = [id(t) for t in tensors]
+        """The model's tensors when the plan was recorded (it holds the destinations: their ids stay theirs)."""
+        dests = {id(t): t for c in calls for _, t, _ in c.copies}
+        self.dests = [(t, t.data_ptr()) for t in dests.values()]
 
     @property
     def num_copies(self) -> int:
         return sum(len(c.copies) for c in self.calls)
 
     def fits(self, tensors: Iterable[torch.Tensor]) -> bool:
-        """Every destination is still the storage of one of the model's tensors (`tensors`), at the same size."""
-        now = {_ptr(t): t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"}
-        return all(now.get(p) == n for p, n in self.storages.items())
+        """The model's tensors are the ones recorded, and every destination still has its memory (a reload from
+        disk or sleep mode may give a parameter new storage). About a microsecond per tensor."""
+        return [id(t) for t in tensors] == self.ids and all(t.data_ptr() == p for t, p in self.dests)
 
     def replay(self, k: int, pairs: Pairs) -> None:
         """Call `k`'s copies from `pairs`; PlanMismatch if `pairs` are not the tensors it was recorded with."""

@@ -189,15 +189,20 @@ def _parse_bucket(data: object, index: int, senders: int = 1) -> Bucket:
     return bucket
 
 
-def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> list[Bucket]:
-    """Buckets for tensors arriving in this order (see the module docstring), in the order they complete."""
+def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int, first_bytes: int | None = None) -> list[Bucket]:
+    """Buckets for tensors arriving in this order (see the module docstring), in the order they complete. With
+    `first_bytes`, the first bucket to complete holds at most that many bytes and each next one at most twice the one
+    before, up to `bucket_bytes`: the first bucket is on the wire sooner (the sender casts it before anything goes)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket size must be >= 1 byte (got {bucket_bytes})")
+    if first_bytes is not None and first_bytes < 1:
+        raise ValueError(f"first bucket size must be >= 1 byte (got {first_bytes})")
     closed: list[Bucket] = []
     open_: dict[str, list[TensorMeta]] = {}
     for meta in metas:
         current = open_.setdefault(meta.dtype, [])
-        if current and sum(t.nbytes for t in current) + meta.nbytes > bucket_bytes:
+        limit = bucket_bytes if first_bytes is None else min(bucket_bytes, first_bytes << min(len(closed), 40))
+        if current and sum(t.nbytes for t in current) + meta.nbytes > limit:
             closed.append(Bucket(meta.dtype, tuple(current)))
             current = open_[meta.dtype] = []
         current.append(meta)
