@@ -1,8 +1,8 @@
 """Run by tests/e2e/test_weight_buckets_vllm.py in a process of its own: the real vLLM CPU engine (in-process, one
 worker) takes three versions of a model's weights by broadcast from a sender thread, through vLLM's weight-transfer
 API and Slipstream's engine, in buckets small enough that vLLM's layers straddle them: the model's weights halved,
-the model's own, halved again. Prints one JSON line: the prompt log-probs before and after each version, and what
-the engine made of its copy plan (transport/copy_plan.py).
+the model's own, halved again. Prints one JSON line: the prompt log-probs before and after each version, what
+the engine made of its copy plan (transport/copy_plan.py), and each version's seconds (start to finish).
 
 With `--unpacked`, vLLM's linear and embedding layers keep their weights as they were loaded (vLLM's own unpacked
 CPU path, `cpu_linear = F.linear`, which MLA's kv_b_proj takes) instead of repacking them for oneDNN: that is what
@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -85,16 +86,18 @@ def main(model_dir: str, port: int, bucket_bytes: int, unpacked: bool) -> None:
     sender = threading.Thread(target=send, daemon=True)
     sender.start()
     llm.collective_rpc("init_weight_transfer_engine", args=(init.to_dict(),))
-    after, plans = [], []
+    after, plans, seconds = [], [], []
     for _ in versions:
+        start = time.perf_counter()
         llm.collective_rpc("start_weight_update")
         llm.collective_rpc("update_weights", args=({"step": 1, "manifest": manifest.to_dict()},))
         llm.collective_rpc("finish_weight_update")
+        seconds.append(time.perf_counter() - start)
         after.append(logprobs())
         plans.append(llm.collective_rpc(plan_state)[0])
     llm.collective_rpc("shutdown_weight_transfer_engine")
     sender.join(timeout=60)
-    result = {"buckets": len(manifest.buckets), "before": before, "after": after, "plans": plans}
+    result = {"buckets": len(manifest.buckets), "before": before, "after": after, "plans": plans, "seconds": seconds}
     print("RESULT " + json.dumps(result), flush=True)
 
 
