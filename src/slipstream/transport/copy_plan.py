@@ -171,6 +171,8 @@ class LoadRecorder(TorchDispatchMode):
                 self._observe(func, args, kwargs, out)
             except PlanRefused as e:
                 self.refused = str(e)
+            except Exception as e:  # never let the watching break the load it watches
+                self.refused = f"the recorder could not follow {func}: {type(e).__name__}: {e}"
         return out
 
     # ---- what each operation does to the received bytes
