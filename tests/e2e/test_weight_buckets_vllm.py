@@ -5,7 +5,8 @@ own, halved again) in buckets smaller than vLLM's layers:
   (transfer_engine.keep_deferred_loads). Without that the model's own weights came back wrong (log-probs off by 3.3).
 - The copy plan (transport/copy_plan.py): on the CPU build vLLM repacks linear weights for oneDNN through C++ the
   plan cannot watch, and the plan is refused; with the layers' weights kept as loaded (what the GPU build does), the
-  first version is recorded and the next two are replayed, bit for bit."""
+  first version is recorded and the next two are replayed, bit for bit; a version in other buckets goes through
+  vLLM's loaders again."""
 
 import json
 import subprocess
@@ -52,4 +53,13 @@ def test_layers_straddling_buckets_load_exactly_and_repacked_layers_refuse_the_p
 def test_layers_that_keep_their_weights_are_replayed_from_the_copy_plan(tiny_qwen3_dir):
     plans = _reload(tiny_qwen3_dir, "--unpacked")["plans"]
     assert [p["replays"] for p in plans] == [0, 1, 2], plans
+    assert all(p["copies"] == TENSORS and p["refused"] is None for p in plans), plans
+
+
+def test_a_stream_the_plan_does_not_fit_goes_through_vllm_again(tiny_qwen3_dir):
+    """The third version in other buckets: the engine sees in its manifest, before receiving, that they are not the
+    plan's, starts vLLM's layer-wise reload, loads it through vLLM's loaders (exactly: the halved weights again)
+    and records a plan for the new buckets."""
+    plans = _reload(tiny_qwen3_dir, "--unpacked", "--replan")["plans"]
+    assert [p["replays"] for p in plans] == [0, 1, 1], plans
     assert all(p["copies"] == TENSORS and p["refused"] is None for p in plans), plans

@@ -8,7 +8,10 @@ With `--unpacked`, vLLM's linear and embedding layers keep their weights as they
 CPU path, `cpu_linear = F.linear`, which MLA's kv_b_proj takes) instead of repacking them for oneDNN: that is what
 these layers do on the GPU build, where their post-load processing does nothing, so the copy plan applies.
 
-    python vllm_reload_script.py MODEL_DIR PORT BUCKET_BYTES [--unpacked]
+With `--replan`, the third version comes in buckets twice as large: the copy plan no longer fits its first bucket,
+and the engine loads it through vLLM's loaders again (and records a new plan).
+
+    python vllm_reload_script.py MODEL_DIR PORT BUCKET_BYTES [--unpacked] [--replan]
 """
 
 import json
@@ -47,7 +50,7 @@ def plan_state(worker) -> dict:
     return {"copies": loads.plan.num_copies if loads.plan else None, "refused": loads.refused, "replays": loads.replays}
 
 
-def main(model_dir: str, port: int, bucket_bytes: int, unpacked: bool) -> None:
+def main(model_dir: str, port: int, bucket_bytes: int, unpacked: bool, replan: bool) -> None:
     from vllm import LLM, SamplingParams
 
     if unpacked:
@@ -58,14 +61,16 @@ def main(model_dir: str, port: int, bucket_bytes: int, unpacked: bool) -> None:
         weights.update({n: t.float() for n, t in load_file(shard).items()})
     halved = {n: t * 0.5 for n, t in weights.items()}
     versions = [halved, weights, halved]
-    manifest = Manifest(1, tuple(plan_buckets([TensorMeta.of(n, t) for n, t in weights.items()], bucket_bytes)))
+    metas = [TensorMeta.of(n, t) for n, t in weights.items()]
+    manifest = Manifest(1, tuple(plan_buckets(metas, bucket_bytes)))
+    manifests = [manifest, manifest, Manifest(1, tuple(plan_buckets(metas, bucket_bytes * 2))) if replan else manifest]
     init = GroupInit("gloo", "127.0.0.1", port, "reload", world_size=2, timeout_s=300)
 
     def send() -> None:
         store = open_store(init.master_addr, init.master_port, is_master=True, timeout_s=init.timeout_s)
         group = open_group(store, init, 0, torch.device("cpu"))
-        for tensors in versions:
-            for bucket in manifest.buckets:
+        for tensors, plan in zip(versions, manifests, strict=True):
+            for bucket in plan.buckets:
                 flat = torch.cat([tensors[t.name].reshape(-1).view(torch.uint8) for t in bucket.tensors])
                 broadcast(group, flat)
 
@@ -87,10 +92,10 @@ def main(model_dir: str, port: int, bucket_bytes: int, unpacked: bool) -> None:
     sender.start()
     llm.collective_rpc("init_weight_transfer_engine", args=(init.to_dict(),))
     after, plans, seconds = [], [], []
-    for _ in versions:
+    for plan in manifests:
         start = time.perf_counter()
         llm.collective_rpc("start_weight_update")
-        llm.collective_rpc("update_weights", args=({"step": 1, "manifest": manifest.to_dict()},))
+        llm.collective_rpc("update_weights", args=({"step": 1, "manifest": plan.to_dict()},))
         llm.collective_rpc("finish_weight_update")
         seconds.append(time.perf_counter() - start)
         after.append(logprobs())
@@ -102,4 +107,4 @@ def main(model_dir: str, port: int, bucket_bytes: int, unpacked: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "--unpacked" in sys.argv[4:])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "--unpacked" in sys.argv[4:], "--replan" in sys.argv[4:])

@@ -262,3 +262,14 @@ def test_disabled_never_records():
     for seed in range(2):
         assert not _run(loads, model, direct_loader(model), _weights(seed))
     assert loads.plan is None and loads.recorder is None
+
+
+def test_a_version_known_to_differ_is_loaded_by_the_loader_from_its_start():
+    model = _model()
+    loads = PlannedLoads()
+    _run(loads, model, direct_loader(model), _weights(0))
+    names = [c.names for c in loads.plan.calls]
+    assert loads.start(lambda: model.values())
+    assert loads.expect(names)  # the same buckets: replayed
+    assert not loads.expect([names[0] + names[1], *names[2:]])  # other buckets: the loader, watched
+    assert loads.recorder is not None and not loads.replaying()

@@ -27,6 +27,7 @@ from vllm.distributed.weight_transfer.base import (
 from slipstream.transport.collective import GroupInit
 from slipstream.transport.copy_plan import PlanMismatch, PlannedLoads
 from slipstream.transport.weight_receiver import WeightReceiver
+from slipstream.transport.weight_stream import Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -61,14 +62,11 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
         logger.info("slipstream weight transfer: joined session %s (%s)", init_info.session, init_info.backend)
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         self._tied = shared_parameter_groups(self.model)
         self._loaded = set()
         self._layerwise = False
         if not self.loads.start(lambda: model_tensors(self.model)):
-            initialize_layerwise_reload(self.model)
-            self._layerwise = True
+            self._load_through_vllm()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's default synchronises torch.accelerator, which raises on CPU; the receiver syncs CUDA itself.
@@ -76,6 +74,11 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
 
     def receive_weights(self, update_info: SlipstreamUpdateInfo) -> None:
         info = {k: v for k, v in asdict(update_info).items() if v is not None}
+        if self.loads.replaying() and update_info.manifest is not None:
+            buckets = Manifest.from_dict(update_info.manifest).buckets
+            if not self.loads.expect([tuple(t.name for t in b.tensors) for b in buckets]):
+                logger.info("slipstream weight transfer: other buckets than the copy plan's; loading through vLLM")
+                self._load_through_vllm()
         stats = self.receiver.receive(info, self._load)
         logger.info("slipstream weight transfer: %s", stats.to_dict())
 
@@ -88,15 +91,18 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
             except PlanMismatch as e:
                 self.loads.record_instead()  # only at a version's first bucket; later, the version fails
                 logger.info("slipstream weight transfer: %s; this version loads through vLLM", e)
-                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-                initialize_layerwise_reload(self.model)
-                self._layerwise = True
+                self._load_through_vllm()
         with self.loads.call(pairs):
             self.model.load_weights(pairs)
             copied = keep_deferred_loads(pairs)
         if copied:
             logger.debug("slipstream weight transfer: kept %d bytes of layers not complete yet", copied)
+
+    def _load_through_vllm(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        self._layerwise = True
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

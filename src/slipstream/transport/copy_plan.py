@@ -451,6 +451,14 @@ class PlannedLoads:
             raise PlanMismatch("the weights stopped matching the copy plan in the middle of a version")
         self.recorder = LoadRecorder() if self.enabled else None
 
+    def expect(self, calls: list[tuple[str, ...]]) -> bool:
+        """The version's loader calls are known before it starts (the names each bucket of a manifest holds): when
+        they are not the plan's, give the plan up now rather than in the middle of the version. Returns whether the
+        version is still replayed."""
+        if self.plan is not None and self.calls == 0 and calls != [c.names for c in self.plan.calls]:
+            self.record_instead()
+        return self.plan is not None
+
     def replay(self, pairs: Pairs) -> None:
         assert self.plan is not None
         self.plan.replay(self.calls, pairs)
