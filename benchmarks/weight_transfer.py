@@ -20,7 +20,7 @@ run, and the filesystem path (the same stream written as safetensors shards, the
 the trainer takes (`pieces`) is printed last.
 
     python benchmarks/weight_transfer.py [--scenarios 1to1,fsdp2] [--models qwen3-0.6b,qwen3-30b-a3b-8l] [--bucket-mb 512]
-        [--first-bucket-mb 64] [--paths pieces,gather] [--skip-filesystem] [--profile DIR]
+        [--first-bucket-mb 0] [--paths pieces,gather] [--skip-filesystem] [--profile DIR]
 """
 
 import argparse
@@ -60,8 +60,8 @@ DEFAULT_MODELS = ("qwen3-0.6b", "qwen3-30b-a3b-8l")
 SCENARIOS = {"1to1": (1, 1), "fsdp2": (2, 2)}
 """name -> (trainer ranks, receivers)."""
 BUCKET_MB = 512
-FIRST_BUCKET_MB = 64
-"""The trainer's default weights.first_bucket_mb: buckets of 64, 128, 256, then 512 MiB."""
+FIRST_BUCKET_MB = 0
+"""The trainer's default weights.first_bucket_mb (none: every bucket up to --bucket-mb)."""
 PATHS = ("pieces", "gather")
 RAW_BYTES = 512 << 20
 """The raw broadcast baseline's buffer: 512 MiB whatever the bucket size, so a smaller bucket cannot lower the bar."""

@@ -29,10 +29,10 @@ class WeightsConfig(BaseConfig):
     largest bucket each) on its device between versions; each inference worker keeps 2 (4 when several trainer
     ranks send) between versions, on top of vLLM's memory (gpu_memory_utilization leaves room for them)."""
 
-    first_bucket_mb: int | None = Field(64, ge=1)
+    first_bucket_mb: int | None = Field(None, ge=1)
     """Size of the first bucket in MiB; each next one is at most twice the one before, up to `bucket_mb`. A small
-    first bucket is on the wire sooner: nothing moves before the trainer has cast it. None: every bucket up to
-    `bucket_mb`."""
+    first bucket is on the wire sooner: nothing moves before the trainer has cast it. None (default): every bucket
+    up to `bucket_mb` (a ramp from 64 MiB made no measurable difference on the shapes of benchmarks/RESULTS.md)."""
 
     master_addr: str = "127.0.0.1"
     """Address the trainer's rendezvous store listens on (collective transports); inference workers connect to it.
