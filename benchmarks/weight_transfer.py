@@ -2,8 +2,8 @@
 processes running the receive-and-load code of Slipstream's vLLM engine (transport/weight_receiver.py). Their loader
 copies every tensor into the receiver's own preallocated bf16 parameters, one `copy_` per tensor as vLLM's
 load_weights goes; as in the engine, the first version's loads are recorded into a copy plan (transport/copy_plan.py)
-and later versions replay it, one fused copy per bucket (`stream`). `stream_tensorloads` is the same stream with
-every version loaded tensor by tensor, `stream_noload` with receivers that do not load.
+and later versions replay it (`stream`: a `copy_` per large tensor, small ones fused). `stream_tensorloads` is the
+same stream with every version loaded tensor by tensor, `stream_noload` with receivers that do not load.
 - `pieces` (what the trainer uses when the model's sharding allows, trainer/piece_send.py): every trainer rank casts
   its own rows of each bucket into a reused buffer and broadcasts them; receivers lay the bucket out whole;
 - `gather` (the fallback, trainer/weight_export.py): FSDP shards cast to bf16 and all-gathered a chunk of layers at a

@@ -1,4 +1,4 @@
-"""Weight loads replayed as fused copies.
+"""Weight loads replayed as plain copies.
 
 A receiver hands every bucket of (name, tensor) pairs to a loader (vLLM: `model.load_weights` under its layer-wise
 reload), which goes tensor by tensor in Python: tens of microseconds of host time per tensor, more than the tensor
@@ -6,15 +6,16 @@ takes on the wire. But a bf16 model's loaders only move bytes: the same slices o
 the same places of the same parameters every version. So the first version is loaded by the loader as usual while
 a dispatch mode watches every tensor operation (`LoadRecorder`); if everything the loader did with the received
 data was to copy it, unchanged, into the model's parameters (possibly through temporaries, as vLLM's layer-wise
-reload does), the result is a `CopyPlan`: per loader call, one fused copy from views of the incoming tensors into
-views of the parameters. Later versions replay the plan instead of calling the loader.
+reload does), the result is a `CopyPlan`: per loader call, the copies from views of the incoming tensors into views
+of the parameters (small ones fused into one `_foreach_copy_`). Later versions replay the plan instead of calling the
+loader.
 
 The recording refuses (and the loader keeps every version) as soon as received data is read by anything but a copy
-or a view (a dtype conversion, a transposed repack, a quantization, a checksum), copied with a dtype change or
-broadcast, written over partly, still held after the version by a tensor that is not one of the model's parameters
-or buffers (a derived copy the plan would leave stale), or copied into a temporary that no parameter got (a kernel
-that repacks weights through an operation the mode cannot see, as vLLM's CPU oneDNN handles do: their C++ reads the
-tensor's memory directly).
+or a view (a dtype conversion, arithmetic, a quantization, a checksum; a transposed or sliced copy is still a copy),
+copied with a dtype change or broadcast, written over partly, still held after the version by a tensor that is not
+one of the model's parameters or buffers (a derived copy the plan would leave stale), or copied into a temporary
+that no parameter got (a kernel that repacks weights through an operation the mode cannot see, as vLLM's CPU oneDNN
+handles do: their C++ reads the tensor's memory directly).
 
 An operation that the dispatcher never sees cannot be watched: a layer that keeps its parameter AND an unwatched
 packed copy of it would be replayed into the parameter only. Slipstream's probe check after every load (log-probs
@@ -38,9 +39,8 @@ from torch.utils._pytree import tree_leaves
 aten = torch.ops.aten
 Pairs = list[tuple[str, torch.Tensor]]
 FUSED_MAX_BYTES = 1 << 20
-"""Copies up to this size are replayed by one fused `_foreach_copy_` per call (host time is what small copies cost);
-larger ones by a `copy_` each, a device memcpy: on an H200 the fused kernel moved a MoE bucket's 3 MiB experts
-slower than memcpy did, and slowed the NCCL receive running beside it (benchmarks/RESULTS.md)."""
+"""Copies up to this size are replayed by one fused `_foreach_copy_` per call (their cost is host time); larger ones
+by a `copy_` each, a device memcpy, as the loaders made them (the fused elementwise kernel gains nothing there)."""
 _FILLS = {aten.fill_.Scalar, aten.zero_.default}
 _COPIES = {aten.clone.default, aten._to_copy.default}
 
