@@ -47,11 +47,10 @@ class _CallPlan:
     copies: Copies
     dsts: list[torch.Tensor] = field(default_factory=list)
     srcs: list[torch.Tensor] = field(default_factory=list)
-    keys: tuple = ()
-    """The incoming tensors `srcs` were built on (identity and address), so they are rebuilt only when these change."""
+    """Views of `last`'s tensors, the copies' sources."""
     last: Pairs | None = None
     """The list of pairs last replayed, held: a receiver that keeps its views hands the same list every version
-    (transport/bucket_receive.py), which then needs no check at all (~150 tensors a MoE bucket)."""
+    (transport/bucket_receive.py), which then needs no check and no new views (~150 tensors a MoE bucket)."""
 
     def __post_init__(self) -> None:
         self.dsts = [v.on(t.untyped_storage(), 0, t.device) for _, t, v in self.copies]
@@ -61,14 +60,11 @@ class _CallPlan:
         self.small_dsts = [self.dsts[i] for i in self.small]
 
     def sources(self, pairs: Pairs) -> list[torch.Tensor]:
-        keys = tuple((id(t), t.data_ptr()) for _, t in pairs)
-        if keys != self.keys:
-            self.srcs = [
-                s.view.on(pairs[s.pair][1].untyped_storage(), byte_offset(pairs[s.pair][1]), pairs[s.pair][1].device)
-                for s, _, _ in self.copies
-            ]
-            self.keys = keys
-        return self.srcs
+        """The copies' sources in `pairs` (views of its tensors)."""
+        return [
+            s.view.on(pairs[s.pair][1].untyped_storage(), byte_offset(pairs[s.pair][1]), pairs[s.pair][1].device)
+            for s, _, _ in self.copies
+        ]
 
 
 class PlanMismatch(Exception):
@@ -103,8 +99,7 @@ class CopyPlan:
             names = tuple(name for name, _ in pairs)
             if names != call.names:
                 raise PlanMismatch(f"loader call {k + 1} gets other tensors than the plan's ({len(names)} tensors)")
-            call.sources(pairs)
-            call.last = pairs
+            call.srcs, call.last = call.sources(pairs), pairs
         if not call.copies:
             return
         srcs = call.srcs
