@@ -2,10 +2,14 @@
 processes running the receive-and-load code of Slipstream's vLLM engine (transport/weight_receiver.py). Their loader
 copies every tensor into the receiver's own preallocated bf16 parameters, one `copy_` per tensor as vLLM's
 load_weights goes; as in the engine, the first version's loads are recorded into a copy plan (transport/copy_plan.py)
-and later versions replay it (`stream`: a `copy_` per large tensor, small ones fused). `stream_tensorloads` is the
-same stream with every version loaded tensor by tensor, `stream_noload` with receivers that do not load.
+and later versions replay it (`stream`: one fused copy per bucket). `stream_tensorloads` is the same stream with
+every version loaded tensor by tensor, `stream_noload` with receivers that do not load. Each is the best of REPEATS
+versions after a warm-up; the receiver's host times of the last version (`receiver0_pieces_host_ms`: start, first
+bucket loaded, last bucket loaded, done, in ms) and the sender's (`pieces_*_sender_host_ms`: its work queued) show
+whether a host falls behind its GPU.
 - `pieces` (what the trainer uses when the model's sharding allows, trainer/piece_send.py): every trainer rank casts
-  its own rows of each bucket into a reused buffer and broadcasts them; receivers lay the bucket out whole;
+  its own rows of each bucket into a reused buffer and broadcasts them; receivers lay the bucket out whole; the
+  bucket plan ramps up from and down to `--edge-mb` (the trainer's weights.edge_bucket_mb);
 - `gather` (the fallback, trainer/weight_export.py): FSDP shards cast to bf16 and all-gathered a chunk of layers at a
   time by trainer/shard_gather.py, each layer copied into reused dtype-grouped bucket buffers, rank 0 broadcasting
   each bucket while the next layers are gathered.
@@ -20,7 +24,7 @@ run, and the filesystem path (the same stream written as safetensors shards, the
 the trainer takes (`pieces`) is printed last.
 
     python benchmarks/weight_transfer.py [--scenarios 1to1,fsdp2] [--models qwen3-0.6b,qwen3-30b-a3b-8l] [--bucket-mb 512]
-        [--first-bucket-mb 0] [--paths pieces,gather] [--skip-filesystem] [--profile DIR]
+        [--edge-mb 32] [--paths pieces,gather] [--skip-filesystem] [--profile DIR]
 """
 
 import argparse
@@ -60,13 +64,14 @@ DEFAULT_MODELS = ("qwen3-0.6b", "qwen3-30b-a3b-8l")
 SCENARIOS = {"1to1": (1, 1), "fsdp2": (2, 2)}
 """name -> (trainer ranks, receivers)."""
 BUCKET_MB = 512
-FIRST_BUCKET_MB = 0
-"""The trainer's default weights.first_bucket_mb (none: every bucket up to --bucket-mb)."""
+EDGE_MB = 32
+"""The trainer's default weights.edge_bucket_mb: the pieces path's plan ramps up from and down to buckets of this size
+(plan_pipelined); 0: the gather path's plan (plan_buckets, the model's order)."""
 PATHS = ("pieces", "gather")
 RAW_BYTES = 512 << 20
 """The raw broadcast baseline's buffer: 512 MiB whatever the bucket size, so a smaller bucket cannot lower the bar."""
 RAW_ITERS = 10
-REPEATS = 3
+REPEATS = 10
 PHASES = ("stream_noload", "stream_tensorloads", "stream")
 """Receivers: not loading; loading tensor by tensor; replaying the copy plan recorded at the phase's warm-up."""
 DEVICE_TYPE = "cuda"
@@ -142,9 +147,12 @@ def sender_pieces(rank: int, args: dict, pieces, manifest, group, results: dict)
             _sync(group)  # the receivers are ready (they NaN-fill their parameters before a checked version)
             start = time.perf_counter()
             pieces.send(group, device)
+            queued = time.perf_counter()
             _sync(group)  # every receiver has loaded the last bucket
             times.append(time.perf_counter() - start)
         results[f"pieces_{phase}_s"] = min(times[1:])
+        if rank == 0:  # host time of the last version's send (its GPU work queued), in ms
+            results[f"pieces_{phase}_sender_host_ms"] = round((queued - start) * 1e3, 3)
     if args["profile"]:
         _trainer_barrier(args)
         _sync(group)
@@ -311,6 +319,7 @@ def receiver(index: int, args: dict, inits: dict, manifests: dict, results) -> N
             trace = f"pieces-receiver{index}" if index == 0 else None
             exact = _receive_stream(rx, manifests["pieces"], load, params, args, trace)
             results[f"receiver{index}_pieces_plan_exact"] = exact
+            results[f"receiver{index}_pieces_host_ms"] = args.pop("host_ms")
             rx.shutdown()
         else:
             results[f"receiver{index}_gather_plan_exact"] = _receive_gathered(
@@ -340,30 +349,45 @@ def _receive_stream(rx, manifest, load, params: dict, args: dict, trace: str | N
         with loads.call(pairs):
             load(pairs)
 
-    def receive(loader) -> None:
+    marks: list[float] = []
+
+    def timed(loader):
+        def call(pairs) -> None:
+            loader(pairs)
+            marks.append(time.perf_counter())
+
+        return call
+
+    def receive(loader, phase: str) -> None:
         if loader is planned and loads.plan is not None:
             for p in params.values():
                 p.fill_(float("nan"))  # a replay that misses a byte cannot keep the loads' value
         _sync(rx.group)  # the sender starts its clock now
+        marks.clear()
+        t0 = time.perf_counter()
         if loader is planned:
             loads.start(params.values)  # inside the clock, as the engine's start_weight_update
-        rx.receive(info, loader)
+        t1 = time.perf_counter()
+        rx.receive(info, timed(loader))
+        t2 = time.perf_counter()
         if loader is planned:
             loads.end(params.values())
         _sync(rx.group)
+        host[phase] = [round((t - t0) * 1e3, 3) for t in (t1, marks[0], marks[-1], t2)]
 
-    loaded = {}
-    for loader in (lambda pairs: None, load, planned):  # PHASES
+    loaded, host = {}, {}
+    for phase, loader in zip(PHASES, (lambda pairs: None, load, planned), strict=True):
         for _ in range(REPEATS + 1):
-            receive(loader)
+            receive(loader, phase)
         if loader is load:
             loaded = {n: p.clone() for n, p in params.items()}
     if loads.plan is None or loads.replays != REPEATS:
         raise RuntimeError(f"the receiver's loads were not replayed from a copy plan: {loads.refused}")
     exact = all(torch.equal(loaded[n].view(torch.uint8), p.view(torch.uint8)) for n, p in params.items())
+    args["host_ms"] = dict(host)  # per phase, of its last version (ms): start, first bucket loaded, last loaded, done
     if args["profile"]:
         with _traced(args, trace):
-            receive(planned)
+            receive(planned, "stream")
     return exact
 
 
@@ -397,7 +421,7 @@ def worker(rank: int, args: dict, results) -> None:
     from slipstream.trainer.piece_send import PieceSender
     from slipstream.trainer.weight_export import HFWeightStream
     from slipstream.transport.collective import GroupInit, open_group, open_store
-    from slipstream.transport.weight_stream import Manifest, plan_buckets
+    from slipstream.transport.weight_stream import Manifest, plan_buckets, plan_pipelined
 
     num_trainers, num_receivers = args["num_trainers"], args["num_receivers"]
     global DEVICE_TYPE, RAW_BYTES
@@ -428,12 +452,14 @@ def worker(rank: int, args: dict, results) -> None:
     else:
         stream = None
         metas = HFWeightStream(build_model(args["model"], torch.device("meta")), torch.bfloat16).metas()
-    first = args["first_bucket_mb"] << 20 if args["first_bucket_mb"] else None
-    manifest = Manifest(1, tuple(plan_buckets(metas, args["bucket_mb"] << 20, first)))
+    manifest = Manifest(1, tuple(plan_buckets(metas, args["bucket_mb"] << 20)))
     store = open_store("127.0.0.1", args["store_port"], is_master=rank == 0, timeout_s=300)
     if rank < num_trainers:
         out: dict = {}
-        pieces = PieceSender(stream, manifest.buckets, rank, num_trainers)
+        piece_plan = manifest.buckets
+        if args["edge_mb"]:  # the pieces path may send in any order: buckets shaped for the pipeline
+            piece_plan = tuple(plan_pipelined(metas, args["bucket_mb"] << 20, args["edge_mb"] << 20))
+        pieces = PieceSender(stream, piece_plan, rank, num_trainers)
         if rank == 0:  # the receivers learn the rows table from the manifest, as from an offer
             store.set("pieces_manifest", pieces.manifest(1).to_json())
         for path in args["paths"]:
@@ -448,6 +474,7 @@ def worker(rank: int, args: dict, results) -> None:
                     group.abort()
         if rank == 0:
             out.update(bytes=manifest.nbytes, num_tensors=manifest.num_tensors, num_buckets=len(manifest.buckets))
+            out.update(pieces_num_buckets=len(piece_plan))
             results.update(out)
     else:
         import json
@@ -466,7 +493,7 @@ def run(
     profile: str | None = None,
     paths: tuple[str, ...] = PATHS,
     device: str = "cuda",
-    first_bucket_mb: int = FIRST_BUCKET_MB,
+    edge_mb: int = EDGE_MB,
 ) -> dict:
     num_trainers, num_receivers = SCENARIOS[scenario]
     fs_dir = Path(tempfile.mkdtemp(prefix="slipstream-wt-"))
@@ -478,7 +505,7 @@ def run(
         "trainer_port": free_port(),
         "fs_dir": str(fs_dir / "weights"),
         "bucket_mb": bucket_mb,
-        "first_bucket_mb": first_bucket_mb,
+        "edge_mb": edge_mb,
         "skip_filesystem": skip_filesystem,
         "profile": profile,
         "scenario": scenario,
@@ -515,10 +542,11 @@ def main() -> int:
         "--bucket-mb", type=int, default=BUCKET_MB, help="bucket size (the trainer's weights.bucket_mb)"
     )
     parser.add_argument(
-        "--first-bucket-mb",
+        "--edge-mb",
         type=int,
-        default=FIRST_BUCKET_MB,
-        help="first bucket's size, doubling up to --bucket-mb (the trainer's weights.first_bucket_mb); 0: no ramp",
+        default=EDGE_MB,
+        help="pieces path: buckets ramp up from and down to this size, large tensors mid-stream (the trainer's "
+        "weights.edge_bucket_mb); 0: the gather path's plan",
     )
     parser.add_argument(
         "--profile",
@@ -533,7 +561,7 @@ def main() -> int:
     cli = parser.parse_args()
     num_gpus = torch.cuda.device_count() if cli.device == "cuda" else 4
     gpu = torch.cuda.get_device_name(0) if cli.device == "cuda" and num_gpus else "CPU (gloo)"
-    ramp = f" (first {cli.first_bucket_mb} MiB, doubling)" if cli.first_bucket_mb else ""
+    ramp = f" (pieces path: edges {cli.edge_mb} MiB)" if cli.edge_mb else ""
     print(f"# {num_gpus} x {gpu}, torch {torch.__version__}, bucket {cli.bucket_mb} MiB{ramp}, bf16", flush=True)
     efficiencies = []
     for scenario in cli.scenarios.split(","):
@@ -550,10 +578,15 @@ def main() -> int:
                 cli.profile,
                 paths,
                 cli.device,
-                cli.first_bucket_mb,
+                cli.edge_mb,
             )
             efficiencies.append(r["pieces_efficiency" if "pieces" in paths else "efficiency"])
-            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
+            print(
+                json.dumps(
+                    {k: round(v, 6 if k.endswith("_s") else 4) if isinstance(v, float) else v for k, v in r.items()}
+                ),
+                flush=True,
+            )
             if "pieces" in paths:
                 print(
                     f"{scenario:6s} {model:18s} {r['bytes'] / 1e9:6.2f} GB: pieces stream {r['pieces_stream_s']:.4f}s "

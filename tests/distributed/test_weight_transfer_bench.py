@@ -1,6 +1,6 @@
 """benchmarks/weight_transfer.py on gloo ranks (`--device cpu`, a smoke run whose figures mean nothing): FSDP=2 over
-two trainer ranks to two receivers, by both paths (every trainer rank sending its own rows, and rank 0 sending after
-a gather); every receiver must end with the same bytes both ways, its copy-plan replays with the bytes of
+two trainer ranks to two receivers, by both paths (every trainer rank sending its own rows in buckets that ramp up and
+down, and rank 0 sending after a gather, in the model's order); every receiver must end with the same bytes both ways, its copy-plan replays with the bytes of
 tensor-by-tensor loads, and the script prints its figure last."""
 
 import json
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(300)
 def test_both_paths_leave_every_receiver_with_the_same_bytes():
     cmd = [sys.executable, "benchmarks/weight_transfer.py", "--device", "cpu", "--scenarios", "fsdp2"]
-    cmd += ["--models", "qwen3-28l-tiny", "--skip-filesystem", "--bucket-mb", "1"]
+    cmd += ["--models", "qwen3-28l-tiny", "--skip-filesystem", "--bucket-mb", "2", "--edge-mb", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=280, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -27,5 +27,7 @@ def test_both_paths_leave_every_receiver_with_the_same_bytes():
     # the receivers' copy-plan replays left exactly what tensor-by-tensor loads did, on both paths
     assert [result[f"receiver{i}_{p}_plan_exact"] for i in (0, 1) for p in ("pieces", "gather")] == [True] * 4
     assert result["num_tensors"] == 310 and result["num_buckets"] >= 2
+    # the pieces path's plan ramps (weights.edge_bucket_mb): other buckets than the gather path's, the same bytes
+    assert result["pieces_num_buckets"] > result["num_buckets"]
     assert lines[-1].startswith("transfer_efficiency: ")
     assert float(lines[-1].split()[-1]) == pytest.approx(result["pieces_efficiency"], abs=1e-3)

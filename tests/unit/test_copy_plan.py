@@ -6,7 +6,6 @@ version."""
 import pytest
 import torch
 
-from slipstream.transport import copy_plan
 from slipstream.transport.copy_plan import LoadRecorder, PlanMismatch, PlannedLoads, PlanRefused
 
 VOCAB, PADDED, H, E, W = 7, 10, 8, 2, 3
@@ -128,9 +127,10 @@ def _expected(loader_cls, weights, device: str = "cpu"):
         ),
     ],
 )
-@pytest.mark.parametrize("fused_max", [1 << 20, 0], ids=["fused", "memcpy"])
-def test_recorded_loads_replay_bit_for_bit(loader_cls, device, fused_max, monkeypatch):
-    monkeypatch.setattr(copy_plan, "FUSED_MAX_BYTES", fused_max)
+def test_recorded_loads_replay_bit_for_bit(loader_cls, device, monkeypatch):
+    fused = []
+    foreach_copy = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s, **kw: (fused.append(len(d)), foreach_copy(d, s, **kw)))
     model = _model(device)
     loader = loader_cls(model)
     calls = []
@@ -150,9 +150,9 @@ def test_recorded_loads_replay_bit_for_bit(loader_cls, device, fused_max, monkey
         for name in model:
             assert torch.equal(model[name], expected[name]), name
     assert torch.equal(model["embed"][VOCAB:].cpu(), torch.zeros(PADDED - VOCAB, H))
-    # one copy per received tensor here, replayed fused or as a memcpy each
+    # one copy per received tensor here, replayed as one fused copy per loader call
     assert loads.plan.num_copies == len(_weights(0))
-    assert sum(len(c.small if fused_max else c.large) for c in loads.plan.calls) == len(_weights(0))
+    assert fused == [len(c.copies) for c in loads.plan.calls if c.copies] * 2
 
 
 @pytest.mark.parametrize(

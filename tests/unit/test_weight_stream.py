@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slipstream.transport.bucket_assembly import BucketAssembler, BucketBuffers, Run, stream_to
-from slipstream.transport.weight_stream import Manifest, TensorMeta, plan_buckets, unpack
+from slipstream.transport.weight_stream import Manifest, TensorMeta, plan_buckets, plan_pipelined, unpack
 
 
 def _meta(name: str, dtype: str, *shape: int) -> TensorMeta:
@@ -235,12 +235,22 @@ def test_a_plan_parsed_before_is_reused_only_when_it_is_the_same():
         Manifest.from_dict(json.loads(Manifest(2, plan).to_json()) | {"step": -1})
 
 
-def test_buckets_ramp_up_from_the_first_size():
-    metas = [TensorMeta(f"t{i}", "float32", (4,)) for i in range(40)]  # 16 bytes each
-    buckets = plan_buckets(metas, bucket_bytes=128, first_bytes=16)
-    assert [b.nbytes for b in buckets] == [16, 32, 64, 128, 128, 128, 128, 16]
-    assert sum(b.nbytes for b in buckets) == 640 and all(b.nbytes <= 128 for b in buckets)
-    assert [t.name for b in buckets for t in b.tensors] == [m.name for m in metas]  # order kept
-    assert plan_buckets(metas, 128, None) == plan_buckets(metas, 128)  # no ramp: every bucket up to the size
-    with pytest.raises(ValueError, match="first bucket size"):
-        plan_buckets(metas, 128, 0)
+def test_pipelined_buckets_ramp_up_and_down_with_large_tensors_mid_stream():
+    metas = [TensorMeta("embed", "float32", (40,))]  # 160 bytes: more than a quarter of a bucket
+    metas += [TensorMeta(f"t{i}", "float32", (4,)) for i in range(60)]  # 16 bytes each
+    metas += [TensorMeta("norm", "bfloat16", (4,)), TensorMeta("head", "float32", (32,))]  # 8 and 128 bytes
+    buckets = plan_pipelined(metas, bucket_bytes=256, edge_bytes=16)
+    f32 = [b for b in buckets if b.dtype == "float32"]
+    # up from 16 bytes, doubling; then at most half of what is left, down to 16 bytes
+    assert [b.nbytes for b in f32] == [16, 32, 64, 128, 240, 160, 256, 176, 80, 48, 16, 16, 16]
+    # the large tensors go where half of the others' bytes are behind them (after t29), in their order
+    assert [t.name for t in f32[5].tensors] == ["embed"] and [t.name for t in f32[6].tensors[:2]] == ["head", "t30"]
+    assert f32[4].tensors[-1].name == "t29"
+    assert [b.tensors for b in buckets if b.dtype == "bfloat16"] == [(metas[-2],)]  # each dtype apart
+    names = [t.name for b in f32 for t in b.tensors if t.name.startswith("t")]
+    assert names == [f"t{i}" for i in range(60)]  # the others keep their order
+    assert sorted(t.name for b in buckets for t in b.tensors) == sorted(m.name for m in metas)  # each once
+    alone = plan_pipelined([TensorMeta("big", "float32", (100,))], bucket_bytes=64, edge_bytes=16)
+    assert [b.nbytes for b in alone] == [400]  # larger than a bucket: alone
+    with pytest.raises(ValueError, match="bucket sizes"):
+        plan_pipelined(metas, 256, 0)

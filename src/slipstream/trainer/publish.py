@@ -49,6 +49,7 @@ from slipstream.transport.weight_stream import (
     SafetensorsSink,
     TolerantSink,
     plan_buckets,
+    plan_pipelined,
 )
 from slipstream.transport.weights import PROBE, READY, weights_dir
 from slipstream.utils.fs import atomic_write_text, commit_dir
@@ -87,15 +88,18 @@ class WeightPublisher:
             self.store = open_store(w.master_addr, port, is_master=True, timeout_s=w.accept_timeout_s)
         self.files = PublishedFiles(trainer.hf_config, trainer.compute_dtype, trainer.tokenizer, trainer.model_dir)
         self.stream = HFWeightStream(trainer.model, trainer.compute_dtype)  # the per-layer plan, built once
-        first = config.weights.first_bucket_mb
-        self.buckets = tuple(plan_buckets(self.stream.metas(), self.bucket_bytes, first << 20 if first else None))
+        self.buckets = tuple(plan_buckets(self.stream.metas(), self.bucket_bytes))
         self.buffers = BucketBuffers()
         """Rank 0's bucket buffers (3 buckets of `weights.bucket_mb`), kept from one version to the next."""
         self.pieces: PieceSender | None = None
         """Every rank sends its own rows by broadcast (None: rank 0 sends after a gather)."""
         if self.transport in ("nccl", "gloo"):
             try:
-                self.pieces = PieceSender(self.stream, self.buckets, trainer.info.rank, trainer.world_size)
+                edge = config.weights.edge_bucket_mb
+                plan = self.buckets
+                if edge is not None:  # each rank holds its rows already: any order will do, so one for the pipeline
+                    plan = tuple(plan_pipelined(self.stream.metas(), self.bucket_bytes, edge << 20))
+                self.pieces = PieceSender(self.stream, plan, trainer.info.rank, trainer.world_size)
             except NotDirect as e:
                 log.info(f"weights: trainer rank 0 sends every bucket after gathering it ({e})")
 

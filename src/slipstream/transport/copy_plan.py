@@ -7,7 +7,7 @@ the same places of the same parameters every version. So the first version is lo
 a dispatch mode watches every tensor operation (`LoadRecorder`, transport/load_recorder.py); if everything the
 loader did with the received data was to copy it, unchanged, into the model's parameters (possibly through
 temporaries, as vLLM's layer-wise reload does), the result is a `CopyPlan`: per loader call, the copies from views of
-the incoming tensors into views of the parameters (small ones fused into one `_foreach_copy_`). Later versions replay
+the incoming tensors into views of the parameters (replayed as one `_foreach_copy_`). Later versions replay
 the plan instead of calling the loader.
 
 The recording refuses (and the loader keeps every version) as soon as received data is read by anything but a copy
@@ -36,10 +36,6 @@ from slipstream.transport.load_recorder import Copies, LoadRecorder, Pairs, Plan
 
 __all__ = ["CopyPlan", "LoadRecorder", "PlanMismatch", "PlanRefused", "PlannedLoads"]
 
-FUSED_MAX_BYTES = 1 << 20
-"""Copies up to this size are replayed by one fused `_foreach_copy_` per call (their cost is host time); larger ones
-by a `copy_` each, a device memcpy, as the loaders made them (the fused elementwise kernel gains nothing there)."""
-
 
 @dataclass
 class _CallPlan:
@@ -48,16 +44,14 @@ class _CallPlan:
     dsts: list[torch.Tensor] = field(default_factory=list)
     srcs: list[torch.Tensor] = field(default_factory=list)
     """Views of `last`'s tensors, the copies' sources."""
+    across: bool = False
+    """Some source is on another device than its destination (then every copy goes alone)."""
     last: Pairs | None = None
     """The list of pairs last replayed, held: a receiver that keeps its views hands the same list every version
     (transport/bucket_receive.py), which then needs no check and no new views (~150 tensors a MoE bucket)."""
 
     def __post_init__(self) -> None:
         self.dsts = [v.on(t.untyped_storage(), 0, t.device) for _, t, v in self.copies]
-        self.large = [i for i, d in enumerate(self.dsts) if d.numel() * d.element_size() > FUSED_MAX_BYTES]
-        large = set(self.large)
-        self.small = [i for i in range(len(self.dsts)) if i not in large]
-        self.small_dsts = [self.dsts[i] for i in self.small]
 
     def sources(self, pairs: Pairs) -> list[torch.Tensor]:
         """The copies' sources in `pairs` (views of its tensors)."""
@@ -79,7 +73,8 @@ class CopyPlan:
         self.ids = [id(t) for t in tensors]
         """The model's tensors when the plan was recorded (it holds the destinations: their ids stay theirs)."""
         dests = {id(t): t for c in calls for _, t, _ in c.copies}
-        self.dests = [(t, t.data_ptr()) for t in dests.values()]
+        self.dests = list(dests.values())
+        self.ptrs = [t.data_ptr() for t in self.dests]
 
     @property
     def num_copies(self) -> int:
@@ -88,7 +83,7 @@ class CopyPlan:
     def fits(self, tensors: Iterable[torch.Tensor]) -> bool:
         """The model's tensors are the ones recorded, and every destination still has its memory (a reload from
         disk or sleep mode may give a parameter new storage). About a microsecond per tensor."""
-        return [id(t) for t in tensors] == self.ids and all(t.data_ptr() == p for t, p in self.dests)
+        return list(map(id, tensors)) == self.ids and list(map(torch.Tensor.data_ptr, self.dests)) == self.ptrs
 
     def replay(self, k: int, pairs: Pairs) -> None:
         """Call `k`'s copies from `pairs`; PlanMismatch if `pairs` are not the tensors it was recorded with."""
@@ -100,17 +95,17 @@ class CopyPlan:
             if names != call.names:
                 raise PlanMismatch(f"loader call {k + 1} gets other tensors than the plan's ({len(names)} tensors)")
             call.srcs, call.last = call.sources(pairs), pairs
+            call.across = any(s.device != d.device for s, d in zip(call.srcs, call.dsts, strict=True))
         if not call.copies:
             return
         srcs = call.srcs
-        if any(s.device != d.device for s, d in zip(srcs, call.dsts, strict=True)):
+        if call.across:
             for s, d in zip(srcs, call.dsts, strict=True):
                 d.copy_(s, non_blocking=True)
             return
-        for i in call.large:
-            call.dsts[i].copy_(srcs[i], non_blocking=True)
-        if call.small:
-            torch._foreach_copy_(call.small_dsts, [srcs[i] for i in call.small], non_blocking=True)
+        # One fused copy for the whole call, whatever the sizes: a `copy_` per tensor costs ~5-15 us of host time
+        # on a GPU node, so a MoE bucket's ~170 copies fell behind the link (benchmarks/RESULTS.md).
+        torch._foreach_copy_(call.dsts, srcs, non_blocking=True)
 
 
 class PlannedLoads:

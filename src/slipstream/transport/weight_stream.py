@@ -189,25 +189,60 @@ def _parse_bucket(data: object, index: int, senders: int = 1) -> Bucket:
     return bucket
 
 
-def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int, first_bytes: int | None = None) -> list[Bucket]:
-    """Buckets for tensors arriving in this order (see the module docstring), in the order they complete. With
-    `first_bytes`, the first bucket to complete holds at most that many bytes and each next one at most twice the one
-    before, up to `bucket_bytes`: the first bucket is on the wire sooner (the sender casts it before anything goes)."""
+def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> list[Bucket]:
+    """Buckets for tensors arriving in this order (see the module docstring), in the order they complete."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket size must be >= 1 byte (got {bucket_bytes})")
-    if first_bytes is not None and first_bytes < 1:
-        raise ValueError(f"first bucket size must be >= 1 byte (got {first_bytes})")
     closed: list[Bucket] = []
     open_: dict[str, list[TensorMeta]] = {}
     for meta in metas:
         current = open_.setdefault(meta.dtype, [])
-        limit = bucket_bytes if first_bytes is None else min(bucket_bytes, first_bytes << min(len(closed), 40))
-        if current and sum(t.nbytes for t in current) + meta.nbytes > limit:
+        if current and sum(t.nbytes for t in current) + meta.nbytes > bucket_bytes:
             closed.append(Bucket(meta.dtype, tuple(current)))
             current = open_[meta.dtype] = []
         current.append(meta)
     closed += [Bucket(dtype, tuple(ts)) for dtype, ts in open_.items() if ts]
     return closed
+
+
+def plan_pipelined(metas: Iterable[TensorMeta], bucket_bytes: int, edge_bytes: int) -> list[Bucket]:
+    """Buckets for a sender that may send tensors in any order (each trainer rank already holds its rows:
+    trainer/piece_send.py), shaped for the pipeline: the sender casts the first bucket before anything moves and the
+    receivers load the last one after everything arrived, so the first buckets ramp up from `edge_bytes` (each at most
+    twice the one before, up to `bucket_bytes`) and the last ones ramp down to it (each at most half of what is left).
+    Tensors larger than a quarter of a bucket (embeddings, LM heads) move to the middle of the stream, where buckets
+    are full size; the others keep their order. Each dtype is planned apart, in the order its first tensor comes."""
+    if bucket_bytes < 1 or edge_bytes < 1:
+        raise ValueError(f"bucket sizes must be >= 1 byte (got bucket {bucket_bytes}, edge {edge_bytes})")
+    by_dtype: dict[str, list[TensorMeta]] = {}
+    for meta in metas:
+        by_dtype.setdefault(meta.dtype, []).append(meta)
+    out: list[Bucket] = []
+    for dtype, ts in by_dtype.items():
+        big = [t for t in ts if t.nbytes > bucket_bytes // 4]
+        rest = [t for t in ts if t.nbytes <= bucket_bytes // 4]
+        half, middle = sum(t.nbytes for t in rest) / 2, len(rest)
+        seen = 0
+        for i, t in enumerate(rest):
+            if seen >= half:
+                middle = i
+                break
+            seen += t.nbytes
+        ordered = rest[:middle] + big + rest[middle:]
+        remaining = sum(t.nbytes for t in ordered)
+        current: list[TensorMeta] = []
+        size = count = 0
+        for meta in ordered:
+            limit = min(bucket_bytes, edge_bytes << min(count, 40), max(edge_bytes, (remaining + size) // 2))
+            if current and size + meta.nbytes > limit:
+                out.append(Bucket(dtype, tuple(current)))
+                current, size, count = [], 0, count + 1
+            current.append(meta)
+            size += meta.nbytes
+            remaining -= meta.nbytes
+        if current:
+            out.append(Bucket(dtype, tuple(current)))
+    return out
 
 
 def unpack(flat: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
