@@ -9,7 +9,8 @@ CPU path, `cpu_linear = F.linear`, which MLA's kv_b_proj takes) instead of repac
 these layers do on the GPU build, where their post-load processing does nothing, so the copy plan applies.
 
 With `--replan`, the third version comes in buckets twice as large: the copy plan no longer fits its first bucket,
-and the engine loads it through vLLM's loaders again (and records a new plan).
+and the engine loads it through vLLM's loaders again (and records a new plan); a fourth version, the model's own
+weights in those buckets, follows.
 
     python vllm_reload_script.py MODEL_DIR PORT BUCKET_BYTES [--unpacked] [--replan]
 """
@@ -63,7 +64,10 @@ def main(model_dir: str, port: int, bucket_bytes: int, unpacked: bool, replan: b
     versions = [halved, weights, halved]
     metas = [TensorMeta.of(n, t) for n, t in weights.items()]
     manifest = Manifest(1, tuple(plan_buckets(metas, bucket_bytes)))
-    manifests = [manifest, manifest, Manifest(1, tuple(plan_buckets(metas, bucket_bytes * 2))) if replan else manifest]
+    manifests = [manifest, manifest, manifest]
+    if replan:
+        larger = Manifest(1, tuple(plan_buckets(metas, bucket_bytes * 2)))
+        versions, manifests = [*versions, weights], [manifest, manifest, larger, larger]
     init = GroupInit("gloo", "127.0.0.1", port, "reload", world_size=2, timeout_s=300)
 
     def send() -> None:
