@@ -7,7 +7,7 @@ prepares it, every received bucket is handed to `model.load_weights`, finish_wei
 on builds that keep a packed copy of a tied LM head, refreshes that copy (refresh_tied_modules).
 
 The first version's loads are watched (transport/copy_plan.py): when vLLM only copied the received bytes into the
-model's parameters (bf16 on GPU), later versions replay those copies (small ones fused), without vLLM's
+model's parameters (bf16 on GPU), later versions replay those copies (one fused copy per bucket), without vLLM's
 loaders or its layer-wise reload. Otherwise (vLLM's CPU build repacks linear weights; quantized layers transform
 them) every version keeps going through vLLM, and the log says why once. `SLIPSTREAM_WEIGHT_COPY_PLAN=0` turns the
 replay off.
