@@ -34,8 +34,8 @@ class WeightsConfig(BaseConfig):
     order there): the first buckets ramp up from this size in MiB, doubling up to `bucket_mb`, and the last ones
     ramp down to it, with embeddings and LM heads mid-stream. Nothing moves before the trainer has cast the first
     bucket, and a version is loaded only when inference has copied the last one, so both are kept small (Qwen3-0.6B's
-    shape, 1 -> 1 H200: 0.75-0.77 -> 0.82-0.83 of raw NCCL bandwidth, benchmarks/RESULTS.md). None: every bucket up to `bucket_mb`, in
-    the model's order (as the stream after a gather and the filesystem transport always are)."""
+    shape, 1 -> 1 H200: 0.75-0.77 -> 0.79-0.83 of raw NCCL bandwidth, benchmarks/RESULTS.md). None: every bucket
+    up to `bucket_mb`, in the model's order (as the stream after a gather and the filesystem transport always are)."""
 
     master_addr: str = "127.0.0.1"
     """Address the trainer's rendezvous store listens on (collective transports); inference workers connect to it.

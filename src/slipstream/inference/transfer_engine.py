@@ -136,9 +136,9 @@ def keep_deferred_loads(pairs: list[tuple[str, torch.Tensor]]) -> int:
     last weight has arrived (or until finish, for a layer never complete, such as a padded vocabulary), then loads
     them all. A layer's weights can straddle buckets (q_proj at the end of one, k_proj and v_proj in the next; a MoE
     layer's experts span several), and the receiver reuses a bucket's buffer for the bucket after next, which it starts
-    receiving as soon as the next bucket is handed over: a kept view would then be read after it was overwritten. So every tensor still kept after this bucket's loads that
-    lives in this bucket's buffer is replaced by a copy of its own. Returns the bytes copied (0 when every layer of the
-    bucket completed within it)."""
+    receiving as soon as the next bucket is handed over: a kept view would then be read after it was overwritten. So
+    every tensor still kept after this bucket's loads that lives in this bucket's buffer is replaced by a copy of its
+    own. Returns the bytes copied (0 when every layer of the bucket completed within it)."""
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
     buffers = {tensor.untyped_storage().data_ptr() for _, tensor in pairs if tensor.device.type != "meta"}

@@ -81,8 +81,9 @@ def receive_buckets(
     """Yields each bucket's (name, tensor) views, in plan order. The next bucket is already being received while the
     caller loads this one, into the second of two buffers of the largest bucket's size; a bucket's views are valid
     until the next bucket is requested (its buffer then receives the bucket after that: a caller that keeps views
-    longer, as vLLM's layer-wise reload does, copies them; inference/transfer_engine.py keep_deferred_loads). Pieces of several senders arrive into two more such buffers and are laid
-    out whole by one copy. `buffers` (kept by the caller from one version to the next) hold the buffers and views.
+    longer, as vLLM's layer-wise reload does, copies them; inference/transfer_engine.py keep_deferred_loads). Pieces
+    of several senders arrive into two more such buffers and are laid out whole by one copy. `buffers` (kept by the
+    caller from one version to the next) hold the buffers and views.
 
     On CUDA the receives run on their own stream: the caller's stream waits for bucket k only (an event), and the
     receive of bucket k+2 waits only for the caller's loads of bucket k, which used the same buffers. Pieces are laid
