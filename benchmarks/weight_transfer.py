@@ -317,9 +317,9 @@ def receiver(index: int, args: dict, inits: dict, manifests: dict, results) -> N
             rx.join(inits["pieces"])
             _receive_raw(rx.group)
             trace = f"pieces-receiver{index}" if index == 0 else None
-            exact = _receive_stream(rx, manifests["pieces"], load, params, args, trace)
+            exact, host_ms = _receive_stream(rx, manifests["pieces"], load, params, args, trace)
             results[f"receiver{index}_pieces_plan_exact"] = exact
-            results[f"receiver{index}_pieces_host_ms"] = args.pop("host_ms")
+            results[f"receiver{index}_pieces_host_ms"] = host_ms
             rx.shutdown()
         else:
             results[f"receiver{index}_gather_plan_exact"] = _receive_gathered(
@@ -333,10 +333,11 @@ def receiver(index: int, args: dict, inits: dict, manifests: dict, results) -> N
         )
 
 
-def _receive_stream(rx, manifest, load, params: dict, args: dict, trace: str | None) -> bool:
+def _receive_stream(rx, manifest, load, params: dict, args: dict, trace: str | None) -> tuple[bool, dict]:
     """The stream REPEATS + 1 times for each of PHASES, then (--profile) once traced, loading by the copy plan.
-    Parameters are NaN-filled before every replayed version; returns whether the replays left exactly the bytes the
-    tensor-by-tensor loads did."""
+    Parameters are NaN-filled before every replayed version. Returns whether the replays left exactly the bytes the
+    tensor-by-tensor loads did, and the host times of each phase's last version (ms: start, first bucket loaded, last
+    bucket loaded, done)."""
     from slipstream.transport.copy_plan import PlannedLoads
 
     info = {"step": manifest.step, "manifest": manifest.to_dict()}
@@ -384,11 +385,11 @@ def _receive_stream(rx, manifest, load, params: dict, args: dict, trace: str | N
     if loads.plan is None or loads.replays != REPEATS:
         raise RuntimeError(f"the receiver's loads were not replayed from a copy plan: {loads.refused}")
     exact = all(torch.equal(loaded[n].view(torch.uint8), p.view(torch.uint8)) for n, p in params.items())
-    args["host_ms"] = dict(host)  # per phase, of its last version (ms): start, first bucket loaded, last loaded, done
+    host_ms = dict(host)  # before a traced version, if any, overwrites the last one
     if args["profile"]:
         with _traced(args, trace):
             receive(planned, "stream")
-    return exact
+    return exact, host_ms
 
 
 def _receive_gathered(index: int, args: dict, init, manifest, load, params: dict) -> bool:
@@ -403,7 +404,7 @@ def _receive_gathered(index: int, args: dict, init, manifest, load, params: dict
         for _pairs in receive_buckets(rx.group, manifest, device):
             pass
         _sync(rx.group)
-    exact = _receive_stream(rx, manifest, load, params, args, f"receiver{index}" if index == 0 else None)
+    exact, _ = _receive_stream(rx, manifest, load, params, args, f"receiver{index}" if index == 0 else None)
     if args["skip_filesystem"]:
         rx.shutdown()
         return exact
