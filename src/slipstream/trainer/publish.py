@@ -88,7 +88,8 @@ class WeightPublisher:
             self.store = open_store(w.master_addr, port, is_master=True, timeout_s=w.accept_timeout_s)
         self.files = PublishedFiles(trainer.hf_config, trainer.compute_dtype, trainer.tokenizer, trainer.model_dir)
         self.stream = HFWeightStream(trainer.model, trainer.compute_dtype)  # the per-layer plan, built once
-        self.buckets = tuple(plan_buckets(self.stream.metas(), self.bucket_bytes))
+        metas = self.stream.metas()
+        self.buckets = tuple(plan_buckets(metas, self.bucket_bytes))
         self.buffers = BucketBuffers()
         """Rank 0's bucket buffers (3 buckets of `weights.bucket_mb`), kept from one version to the next."""
         self.pieces: PieceSender | None = None
@@ -98,7 +99,7 @@ class WeightPublisher:
                 edge = config.weights.edge_bucket_mb
                 plan = self.buckets
                 if edge is not None:  # each rank holds its rows already: any order will do, so one for the pipeline
-                    plan = tuple(plan_pipelined(self.stream.metas(), self.bucket_bytes, edge << 20))
+                    plan = tuple(plan_pipelined(metas, self.bucket_bytes, edge << 20))
                 self.pieces = PieceSender(self.stream, plan, trainer.info.rank, trainer.world_size)
             except NotDirect as e:
                 log.info(f"weights: trainer rank 0 sends every bucket after gathering it ({e})")

@@ -8,7 +8,9 @@ plan's order is the order in which buckets complete, so a sender can ship each b
 has been gathered while later layers are still being gathered.
 """
 
+import bisect
 import functools
+import itertools
 import json
 import math
 from collections.abc import Iterable, Iterator
@@ -219,16 +221,7 @@ def plan_pipelined(metas: Iterable[TensorMeta], bucket_bytes: int, edge_bytes: i
         by_dtype.setdefault(meta.dtype, []).append(meta)
     out: list[Bucket] = []
     for dtype, ts in by_dtype.items():
-        big = [t for t in ts if t.nbytes > bucket_bytes // 4]
-        rest = [t for t in ts if t.nbytes <= bucket_bytes // 4]
-        half, middle = sum(t.nbytes for t in rest) / 2, len(rest)
-        seen = 0
-        for i, t in enumerate(rest):
-            if seen >= half:
-                middle = i
-                break
-            seen += t.nbytes
-        ordered = rest[:middle] + big + rest[middle:]
+        ordered = _large_mid_stream(ts, bucket_bytes // 4)
         remaining = sum(t.nbytes for t in ordered)
         current: list[TensorMeta] = []
         size = count = 0
@@ -243,6 +236,15 @@ def plan_pipelined(metas: Iterable[TensorMeta], bucket_bytes: int, edge_bytes: i
         if current:
             out.append(Bucket(dtype, tuple(current)))
     return out
+
+
+def _large_mid_stream(ts: list[TensorMeta], large: int) -> list[TensorMeta]:
+    """`ts` with its tensors of more than `large` bytes moved, in their order, to where half of the others' bytes are
+    behind them."""
+    rest = [t for t in ts if t.nbytes <= large]
+    behind = list(itertools.accumulate((t.nbytes for t in rest), initial=0))[:-1]
+    middle = bisect.bisect_left(behind, sum(t.nbytes for t in rest) / 2)
+    return rest[:middle] + [t for t in ts if t.nbytes > large] + rest[middle:]
 
 
 def unpack(flat: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
