@@ -8,8 +8,9 @@ versions after a warm-up; the receiver's host times of the last version (`receiv
 bucket loaded, last bucket loaded, done, in ms) and the sender's (`pieces_*_sender_host_ms`: its work queued) show
 whether a host falls behind its GPU.
 - `pieces` (what the trainer uses when the model's sharding allows, trainer/piece_send.py): every trainer rank casts
-  its own rows of each bucket into a reused buffer and broadcasts them; receivers lay the bucket out whole; the
-  bucket plan ramps up from and down to `--edge-mb` (the trainer's weights.edge_bucket_mb);
+  its own rows of each bucket into a reused buffer and broadcasts them on its own lane (a group of it and the
+  receivers); receivers lay the bucket out whole; the bucket plan ramps up from and down to `--edge-mb` (the
+  trainer's weights.edge_bucket_mb);
 - `gather` (the fallback, trainer/weight_export.py): FSDP shards cast to bf16 and all-gathered a chunk of layers at a
   time by trainer/shard_gather.py, each layer copied into reused dtype-grouped bucket buffers, rank 0 broadcasting
   each bucket while the next layers are gathered.
@@ -18,9 +19,9 @@ Scenarios (those that fit the visible GPUs):
 - `1to1`: trainer on GPU 0 -> one receiver on GPU 1;
 - `fsdp2`: trainer FSDP over GPUs 0-1 -> receivers on GPUs 2 and 3 (NCCL wants one GPU per rank).
 Models: Qwen3-0.6B's shape, and Qwen3-30B-A3B's shape cut to 8 layers (random weights; float32 masters as in
-training). Reported next to each: raw NCCL broadcast bandwidth of the same group (512 MiB buffer), measured in the same
-run, and the filesystem path (the same stream written as safetensors shards, then read and loaded by the receivers).
-`transfer_efficiency` = stream GB/s / raw broadcast GB/s of the same group; the lowest over all runs of the path
+training). Reported next to each: raw NCCL broadcast bandwidth from trainer rank 0 to the receivers (512 MiB buffer),
+measured in the same run, and the filesystem path (the same stream written as safetensors shards, then read and loaded by the receivers).
+`transfer_efficiency` = stream GB/s / that raw broadcast GB/s; the lowest over all runs of the path
 the trainer takes (`pieces`) is printed last.
 
     python benchmarks/weight_transfer.py [--scenarios 1to1,fsdp2] [--models qwen3-0.6b,qwen3-30b-a3b-8l] [--bucket-mb 512]
@@ -137,9 +138,7 @@ def sender_pieces(rank: int, args: dict, pieces, manifest, group, results: dict)
     baseline of this group (rank 0), the stream into receivers that do not load, then the stream."""
     device = _device()
     if rank == 0:
-        _raw(group, 0, results, "pieces_")
-    else:
-        _receive_raw(group)
+        _raw(_lane0(group), 0, results, "pieces_")
     for phase in PHASES:
         times = []
         for _ in range(REPEATS + 1):  # the first is a warm-up
@@ -279,10 +278,21 @@ def _traced(args: dict, name: str | None):
 
 
 def _sync(group) -> None:
-    """Returns once every member got here (an all-reduce of one element: the sender cannot finish it early)."""
+    """Returns once every member got here (an all-reduce of one element: the sender cannot finish it early); with
+    several senders, on each lane in turn (a sender's own lane: no sender starts before every receiver is ready)."""
+    from slipstream.transport.collective import Lanes
+
     flag = torch.ones(1, device=_device())
-    group.allreduce([flag]).wait()
+    for g in group.held() if isinstance(group, Lanes) else [group]:
+        g.allreduce([flag]).wait()
     _synchronize()
+
+
+def _lane0(group):
+    """The group of trainer rank 0 and every receiver: the session's group, or lane 0 with several senders."""
+    from slipstream.transport.collective import Lanes
+
+    return group.groups[0] if isinstance(group, Lanes) else group
 
 
 def _trainer_barrier(args: dict) -> None:
@@ -315,7 +325,7 @@ def receiver(index: int, args: dict, inits: dict, manifests: dict, results) -> N
         if path == "pieces":
             rx = WeightReceiver(device, rank_in_receivers=index)
             rx.join(inits["pieces"])
-            _receive_raw(rx.group)
+            _receive_raw(_lane0(rx.group))
             trace = f"pieces-receiver{index}" if index == 0 else None
             exact, host_ms = _receive_stream(rx, manifests["pieces"], load, params, args, trace)
             results[f"receiver{index}_pieces_plan_exact"] = exact
@@ -421,7 +431,7 @@ def _receive_gathered(index: int, args: dict, init, manifest, load, params: dict
 def worker(rank: int, args: dict, results) -> None:
     from slipstream.trainer.piece_send import PieceSender
     from slipstream.trainer.weight_export import HFWeightStream
-    from slipstream.transport.collective import GroupInit, open_group, open_store
+    from slipstream.transport.collective import GroupInit, close_group, open_group, open_store
     from slipstream.transport.weight_stream import Manifest, plan_buckets, plan_pipelined
 
     num_trainers, num_receivers = args["num_trainers"], args["num_receivers"]
@@ -435,8 +445,9 @@ def worker(rank: int, args: dict, results) -> None:
     device = _device()
     init = GroupInit(backend, "127.0.0.1", args["store_port"], "bench", 1 + num_receivers)
     pieces_init = GroupInit(
-        backend, "127.0.0.1", args["store_port"], "pieces", num_trainers + num_receivers, num_trainers
-    )
+        backend, "127.0.0.1", args["store_port"], "pieces", num_trainers + num_receivers, num_trainers,
+        senders=num_trainers,
+    )  # fmt: skip
     inits = {"gather": init, "pieces": pieces_init}
     mesh = None
     if rank < num_trainers and num_trainers > 1:
@@ -467,12 +478,11 @@ def worker(rank: int, args: dict, results) -> None:
             if path == "pieces":
                 group = open_group(store, pieces_init, rank, device)
                 sender_pieces(rank, args, pieces, manifest, group, out)
-                group.abort()
+                close_group(group)
             else:
                 group = open_group(store, init, 0, device) if rank == 0 else None
                 sender(rank, args, stream, manifest, group, out)
-                if group is not None:
-                    group.abort()
+                close_group(group)
         if rank == 0:
             out.update(bytes=manifest.nbytes, num_tensors=manifest.num_tensors, num_buckets=len(manifest.buckets))
             out.update(pieces_num_buckets=len(piece_plan))

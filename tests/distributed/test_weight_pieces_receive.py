@@ -1,5 +1,5 @@
-"""Two trainer ranks each broadcast their own rows of a bucket (transport/pieces.py) to a receiver running the receive
-code of Slipstream's vLLM engine (transport/weight_receiver.py): it gets every tensor whole, bit for bit, with uneven
+"""Two trainer ranks each broadcast their own rows of a bucket (transport/pieces.py), each on its own lane, to a
+receiver running the receive code of Slipstream's vLLM engine (transport/weight_receiver.py): it gets every tensor whole, bit for bit, with uneven
 rows, a tensor held by one sender, a 0-d tensor and an empty one, over several buckets of two dtypes (gloo). Two
 versions in a row: the second lands in the buffers and views kept from the first."""
 
@@ -37,7 +37,7 @@ def sender_or_receiver(port: int, out_path) -> None:
     from slipstream.transport.weight_receiver import WeightReceiver
 
     rank = int(os.environ["RANK"])
-    init = GroupInit("gloo", "127.0.0.1", port, "s", world_size=3, rank_offset=2, timeout_s=60)
+    init = GroupInit("gloo", "127.0.0.1", port, "s", world_size=3, rank_offset=2, timeout_s=60, senders=2)
     manifest = _manifest()
     if rank == 2:
         receiver = WeightReceiver(torch.device("cpu"))
@@ -49,17 +49,19 @@ def sender_or_receiver(port: int, out_path) -> None:
                 lambda pairs, v=version: got[v].update({n: t.clone() for n, t in pairs}),
             )
         torch.save({"got": got, "bytes": stats.num_bytes}, out_path)
-        receiver.group.barrier().wait()  # no sender leaves before the receiver has everything
+        for lane in receiver.group.held():  # no sender leaves before the receiver has everything
+            lane.barrier().wait()
         receiver.shutdown()
         return
     store = open_store("127.0.0.1", port, is_master=rank == 0, timeout_s=60)
-    group = open_group(store, init, rank, torch.device("cpu"))
+    lanes = open_group(store, init, rank, torch.device("cpu"))
+    assert [g is not None for g in lanes.groups] == [rank == 0, rank == 1]  # a sender is in its own lane only
     for version in range(2):
-        send_rows(group, rank, manifest, _tensors(version))
-    group.barrier().wait()
+        send_rows(lanes, rank, manifest, _tensors(version))
+    lanes.groups[rank].barrier().wait()
 
 
-def send_rows(group, rank: int, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
+def send_rows(lanes, rank: int, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
     """Sender `rank`'s part of one version: its rows of every tensor, broadcast bucket by bucket."""
     from slipstream.transport.weight_stream import start_pieces
 
@@ -72,7 +74,7 @@ def send_rows(group, rank: int, manifest: Manifest, tensors: dict[str, torch.Ten
             rows = t.reshape(t.shape[0] if t.dim() else 1, math.prod(t.shape[1:]))
             mine = rows[sum(split[:rank]) : sum(split[: rank + 1])].reshape(-1)
             wire[offset : offset + nbytes] = mine.view(torch.uint8)
-        for work in start_pieces(group, wire, bucket.layout):
+        for work in start_pieces(lanes, wire, bucket.layout):
             work.wait()
 
 

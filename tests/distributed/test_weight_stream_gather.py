@@ -102,26 +102,28 @@ def stream_both_ways(
 
 
 def send_pieces(stream, device: torch.device) -> dict:
-    """Every rank sends its own rows (trainer/piece_send.py) to a group of the trainer's ranks (gloo; NCCL on CUDA);
-    rank 0 keeps every bucket laid out whole. {"not_direct": why} for a model that cannot be sent so."""
+    """Every rank sends its own rows (trainer/piece_send.py) on its own lane (no receivers here: a lane of that rank
+    alone; gloo, NCCL on CUDA), and rank 0 collects every bucket whole over the trainer's group, as on checkpoint
+    steps. {"not_direct": why} for a model that cannot be sent so."""
     import torch.distributed as dist
 
     from slipstream.trainer.piece_send import NotDirect, PieceSender
+    from slipstream.transport.collective import Lanes
     from slipstream.transport.weight_stream import Manifest, plan_buckets
 
+    rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        sender = PieceSender(
-            stream, tuple(plan_buckets(stream.metas(), 1 << 15)), dist.get_rank(), dist.get_world_size()
-        )
+        sender = PieceSender(stream, tuple(plan_buckets(stream.metas(), 1 << 15)), rank, world)
     except NotDirect as e:
         return {"not_direct": str(e)}
     manifest = sender.manifest(1)
     assert Manifest.from_dict(manifest.to_dict()) == manifest
     sink = CollectBuckets()
-    group = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo")
-    # the backend object itself, as the trainer's transfer group is (on NCCL: the pieces go as one coalesced group)
-    sender.send(group._get_backend(device), device, sink if dist.get_rank() == 0 else None)
-    dist.destroy_process_group(group)
+    groups = [dist.new_group([q], backend="nccl" if device.type == "cuda" else "gloo") for q in range(world)]
+    own = groups[rank]._get_backend(device)  # the backend object itself, as the trainer's lanes are
+    group = own if world == 1 else Lanes(tuple(own if q == rank else None for q in range(world)))
+    sender.send(group, device, sink if rank == 0 else None, collect=True)
+    dist.destroy_process_group(groups[rank])
     return {"buckets": [sink.buckets[i].cpu() for i in sorted(sink.buckets)], "senders": manifest.senders}
 
 

@@ -218,6 +218,17 @@ def test_a_malformed_update_info_is_a_value_error_before_anything_is_received(
         "timeout_s": math.inf,
     }
 )
+@example(
+    init_info={
+        "backend": "gloo",
+        "master_addr": "h",
+        "master_port": 1,
+        "session": "s",
+        "world_size": 4,
+        "rank_offset": 2,
+        "senders": 3,
+    }
+)
 def test_a_malformed_init_info_is_refused_before_joining(init_info):
     """`master_port: "x"` used to pass and make the worker wait on a store it can never reach."""
     try:
@@ -228,6 +239,7 @@ def test_a_malformed_init_info_is_refused_before_joining(init_info):
         assert "init_info" in str(e) or "weight transfer" in str(e), str(e)
     else:
         assert 0 < init.master_port < 65536 and 1 <= init.rank_offset < init.world_size and init.timeout_s > 0
+        assert 1 <= init.senders <= init.rank_offset
 
 
 # -- marker files: the weight hand-over, probes, trainer progress, step logs, orchestrator state -------------------

@@ -46,7 +46,8 @@ def main() -> None:
     parser.add_argument("--rank-offset", type=int, default=1, help="trainer ranks that send (the group's first ranks)")
     args = parser.parse_args()
     receiver = WeightReceiver(torch.device("cpu"))
-    init = GroupInit("gloo", "127.0.0.1", int(args.port), args.session, int(args.world_size), args.rank_offset, 60)
+    senders = args.rank_offset  # the trainer ranks that send come first
+    init = GroupInit("gloo", "127.0.0.1", int(args.port), args.session, int(args.world_size), senders, 60, senders)
     receiver.join(init)
     got: dict[str, torch.Tensor] = {}
 

@@ -98,5 +98,6 @@ class WeightLoader:
             "session": self.session.session,
             "world_size": world_size,
             "rank_offset": senders,
+            "senders": senders,
             "timeout_s": 600.0,
         }

@@ -1,8 +1,9 @@
 """Every trainer rank sends the rows it holds (transport/pieces.py): no gather on the trainer, each byte crosses the
 link once. Rank q of the trainer is sender q of the transfer group; for each bucket in plan order it casts its rows
-of the bucket's tensors into its piece (one fused copy per bucket, from views planned once), then every sender's
-piece is broadcast from that sender, so every member (receivers and the other trainer ranks) ends up with the whole
-bucket.
+of the bucket's tensors into its piece (one fused copy per bucket, from views planned once) and broadcasts it on its
+own lane (transport/collective.py's Lanes: sender q and every receiver), side by side with the other senders, so
+every receiver ends up with the whole bucket. When the version is also written to disk, rank 0 gets the other
+senders' pieces over the trainer's own process group.
 
 A model takes this path when each of its published tensors is either the same on every rank (a plain tensor, or a
 DTensor replicated along every mesh dimension of size > 1: sender 0 sends it) or a DTensor sharded on dim 0 along
@@ -21,7 +22,7 @@ from torch import Tensor, nn
 from slipstream.trainer.shard_gather import rows_per_rank, shard_axis
 from slipstream.trainer.weight_export import HFWeightStream
 from slipstream.transport.pieces import row_count
-from slipstream.transport.weight_stream import Bucket, BucketSink, Manifest, start_pieces
+from slipstream.transport.weight_stream import Bucket, BucketSink, Manifest, start_broadcast, start_pieces
 
 NUM_SLOTS = 3
 """Bucket buffers per sender: one being filled while the two before it are still on the wire."""
@@ -203,13 +204,16 @@ class PieceSender:
         if srcs:
             torch._foreach_copy_(self._views(b, slot), srcs)
 
-    def send(self, group, device: torch.device, files: BucketSink | None = None) -> None:
-        """Send one version: every bucket, every sender's piece broadcast from it (every trainer rank calls this at
-        the same time; `group` is the transfer group, trainer rank q its rank q). `files` (one rank): every whole
-        bucket also goes there (safetensors shards of checkpoint steps). Raises what the group raises (a receiver
-        that died); the caller closes the group."""
+    def send(self, group, device: torch.device, files: BucketSink | None = None, collect: bool = False) -> None:
+        """Send one version: every bucket, this rank's piece broadcast on its lane of `group` (the session's Lanes; one
+        trainer rank: the session's group). Every trainer rank calls this at the same time. `collect` (every rank alike): rank 0 also gets every other rank's piece, over the
+        trainer's default process group, and hands each whole bucket to `files` (rank 0's safetensors shards of
+        checkpoint steps). Raises what a group raises (a receiver that died); the caller closes the group."""
         if not self.buckets:
             return
+        collect = collect and self.world > 1
+        if files is not None and self.world > 1 and not (collect and self.rank == 0):
+            raise ValueError("whole buckets for files need collect=True on every rank, and files on rank 0 only")
         size = max(b.nbytes for b in self.buckets)
         if not self.slots or self.slots[0].numel() < size or self.slots[0].device != device:
             n = min(NUM_SLOTS, len(self.buckets))
@@ -229,7 +233,10 @@ class PieceSender:
             with torch.cuda.stream(send_stream) if cuda else contextlib.nullcontext():
                 if ready is not None:
                     send_stream.wait_event(ready)
-                for work in start_pieces(group, wire, bucket.layout):
+                works = start_pieces(group, wire, bucket.layout) if self.world > 1 else [start_broadcast(group, wire)]
+                if collect:
+                    works += self._collect(wire, bucket)
+                for work in works:
                     work.wait()  # CUDA: the send stream waits; gloo: this thread does
                 if files is not None:
                     flat = wire
@@ -243,3 +250,15 @@ class PieceSender:
             current.wait_stream(send_stream)
         if files is not None:
             files.close()
+
+    def _collect(self, wire: Tensor, bucket: Bucket) -> list:
+        """Start moving every other rank's piece of `wire` to rank 0 (its place in rank 0's `wire`)."""
+        import torch.distributed as dist
+
+        starts, sizes = bucket.layout.piece_starts, bucket.layout.piece_bytes
+        if self.rank == 0:
+            ops = [dist.P2POp(dist.irecv, wire[starts[q] : starts[q] + sizes[q]], q) for q in range(1, self.world)]
+        else:
+            ops = [dist.P2POp(dist.isend, wire[starts[self.rank] : starts[self.rank] + sizes[self.rank]], 0)]
+        ops = [op for op in ops if op.tensor.numel()]
+        return dist.batch_isend_irecv(ops) if ops else []

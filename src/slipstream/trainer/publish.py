@@ -219,12 +219,12 @@ class WeightPublisher:
         return None if sender is None else sender.error
 
     def _send_pieces(self, accept: Accept, folder: Path | None, manifest: Manifest) -> BaseException | None:
-        """Every rank joins the session's group and sends its own rows (rank 0 also writes `folder`, if given)."""
+        """Every rank joins its lane of the session and sends its own rows (rank 0 also writes `folder`, if given)."""
         assert self.pieces is not None
         files = SafetensorsSink(folder, len(manifest.buckets)) if folder is not None and self.is_main else None
         try:
             self._join(accept)
-            self.pieces.send(self.group, self.trainer.device, files)
+            self.pieces.send(self.group, self.trainer.device, files, collect=folder is not None)
         except (RuntimeError, OSError) as e:  # torch.distributed reports a lost peer as RuntimeError/DistBackendError
             close_group(self.group)  # the other members' pending broadcasts fail now instead of at their timeout
             self.group = None
@@ -269,7 +269,9 @@ class WeightPublisher:
         port = w.store_port("the trainer")
         if self.store is None:  # trainer ranks > 0 join rank 0's store
             self.store = open_store(w.master_addr, port, is_master=False, timeout_s=w.accept_timeout_s)
-        init = GroupInit(self.transport, w.master_addr, port, accept.session, accept.world_size, senders)
+        init = GroupInit(
+            self.transport, w.master_addr, port, accept.session, accept.world_size, senders, senders=senders
+        )
         self.group = open_group(self.store, init, self.trainer.info.rank, self.trainer.device)
         self.session = accept.session
 

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 
 import torch
 
+from slipstream.transport.collective import Lanes
+from slipstream.transport.pieces import concat
 from slipstream.transport.weight_stream import Bucket, Manifest, start_broadcast, start_pieces, unpack
 
 NUM_SLOTS = 2
@@ -29,8 +31,8 @@ class ReceiveBuffers:
         self.wires: list[torch.Tensor] = []
         self.pairs: dict[int, list[tuple[str, torch.Tensor]]] = {}
         """Bucket index -> its tensors' views into its slot."""
-        self.copies: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        """Bucket index -> (whole segments, wire segments) of its layout copy (several senders)."""
+        self.copies: dict[int, list[torch.Tensor]] = {}
+        """Bucket index -> its wire segments in the whole layout's order (several senders)."""
 
     def start(self, manifest: Manifest) -> None:
         """Keep everything when the plan is the one of the last version; else size the buffers for this plan."""
@@ -61,19 +63,19 @@ class ReceiveBuffers:
         return pairs
 
     def reassemble(self, i: int) -> None:
-        """Lay bucket i's pieces (in its wire buffer) out whole in its slot: one fused copy."""
-        copy = self.copies.get(i)
-        if copy is None:
+        """Lay bucket i's pieces (in its wire buffer) out whole in its slot: one concatenation."""
+        segments = self.copies.get(i)
+        if segments is None:
             assert self.buckets is not None
-            copy = self.copies[i] = self.buckets[i].layout.segments(self.wire(i), self.flat(i))
-        torch._foreach_copy_(*copy)
+            segments = self.copies[i] = self.buckets[i].layout.in_whole_order(self.wire(i))
+        concat(segments, self.flat(i))
 
     def release(self) -> None:
         self.buckets, self.slots, self.wires, self.pairs, self.copies = None, [], [], {}, {}
 
 
 def receive_buckets(
-    group: "torch.distributed.ProcessGroup",
+    group: "torch.distributed.ProcessGroup | Lanes",
     manifest: Manifest,
     device: torch.device,
     buffers: ReceiveBuffers | None = None,
@@ -82,13 +84,20 @@ def receive_buckets(
     caller loads this one, into the second of two buffers of the largest bucket's size; a bucket's views are valid
     until the next bucket is requested (its buffer then receives the bucket after that: a caller that keeps views
     longer, as vLLM's layer-wise reload does, copies them; inference/transfer_engine.py keep_deferred_loads). Pieces
-    of several senders arrive into two more such buffers and are laid out whole by one copy. `buffers` (kept by the
-    caller from one version to the next) hold the buffers and views.
+    of several senders arrive on `group`'s lanes (side by side) into two more such buffers and are laid out whole by
+    one copy. `buffers` (kept by the caller from one version to the next) hold the buffers and views.
 
     On CUDA the receives run on their own stream: the caller's stream waits for bucket k only (an event), and the
     receive of bucket k+2 waits only for the caller's loads of bucket k, which used the same buffers. Pieces are laid
-    out on the caller's stream, so the receive stream goes on to the next bucket's broadcasts at once."""
+    out on the caller's stream, so the receive stream goes on to the next bucket's broadcasts at once; their receive
+    of bucket k+2 waits only for that layout copy of bucket k, not for its loads."""
     buckets = manifest.buckets
+    lanes = len(group.groups) if isinstance(group, Lanes) else 1
+    if lanes != manifest.senders:
+        raise ValueError(
+            f"the weight manifest of step {manifest.step} is sent by {manifest.senders} trainer rank(s), but this "
+            f"worker joined a session of {lanes}: the orchestrator opens a new session when the senders change"
+        )
     if not buckets:
         return
     buffers = buffers if buffers is not None else ReceiveBuffers(device)
@@ -119,12 +128,13 @@ def receive_buckets(
     done = start(0)
     for i in range(len(buckets)):
         if recv_stream is not None:
-            current = torch.cuda.current_stream(device)
-            current.wait_event(done)
-            if i >= 1:
-                loaded[i - 1] = current.record_event()  # the caller queued its loads of bucket i-1 by now
-        if i + 1 < len(buckets):
-            done = start(i + 1)
+            torch.cuda.current_stream(device).wait_event(done)
         if manifest.senders > 1:
             buffers.reassemble(i)  # on the caller's stream, after bucket i arrived and before its loads
+        if recv_stream is not None and (i >= 1 or manifest.senders > 1):
+            # One sender: the caller's loads of bucket i - 1 are queued by now, so its buffer may take bucket i + 1.
+            # Several: bucket i's wire buffer may take bucket i + 2 once laid out (the loads read the layout).
+            loaded[i if manifest.senders > 1 else i - 1] = torch.cuda.current_stream(device).record_event()
+        if i + 1 < len(buckets):
+            done = start(i + 1)
         yield buffers.views(i)

@@ -1,5 +1,7 @@
 """Process groups between the trainer (rank 0, the sender) and inference workers (ranks 1..n), outside any default
 process group: a TCPStore hosted by the trainer, one PrefixStore per session, and a gloo (CPU) or NCCL (GPU) group.
+When several trainer ranks send (each its own rows: transport/pieces.py), each sender gets its own group with every
+receiver, a *lane* (`Lanes`), so that the senders' pieces travel side by side on separate communicators.
 
 A session is one life of the receiving side: when an inference server restarts, the orchestrator opens a new session
 and both sides build a fresh group under its prefix, on the same store.
@@ -27,6 +29,9 @@ class GroupInit:
     rank_offset: int = 1
     """Rank of the first receiving worker (the sender is rank 0)."""
     timeout_s: float = 600.0
+    senders: int = 1
+    """Trainer ranks that send, ranks 0 .. senders - 1 (each its own rows). With more than one, every member joins
+    the lanes it belongs to (`Lanes`) instead of one group of every rank."""
 
     def __post_init__(self) -> None:
         for name, kind in (("master_addr", str), ("session", str), ("master_port", int), ("world_size", int)):
@@ -55,6 +60,15 @@ class GroupInit:
             raise ValueError(
                 f"a weight transfer group needs the sender and >= 1 receiver (world_size {self.world_size})"
             )
+        if (
+            not isinstance(self.senders, int)
+            or isinstance(self.senders, bool)
+            or not 1 <= self.senders <= self.rank_offset
+        ):
+            raise ValueError(
+                f"weight transfer init_info: senders must be an integer from 1 to rank_offset ({self.rank_offset}), "
+                f"got {self.senders!r}"
+            )
         if self.rank_offset >= self.world_size:
             raise ValueError(
                 f"weight transfer init_info: rank_offset {self.rank_offset} >= world_size {self.world_size}"
@@ -71,27 +85,64 @@ def open_store(addr: str, port: int, is_master: bool, timeout_s: float) -> dist.
     )
 
 
-def open_group(store: dist.Store, init: GroupInit, rank: int, device: torch.device) -> "dist.ProcessGroup":
-    """Join the session's group as `rank` (blocks until every rank has joined, at most init.timeout_s)."""
+@dataclass(frozen=True)
+class Lanes:
+    """One member's groups of a session with several senders. Lane q is sender q's own group: sender q is its rank 0,
+    the receivers (ranks senders .. world_size - 1 of the session) its ranks 1 ... A receiver is in every lane, a
+    sender in its own only (None for the others). On one communicator of every rank, two senders' pieces (one NCCL
+    group per bucket) took 4.2-4.9 ms for the buckets of Qwen3-0.6B's shape on 4 x H200, against 3.95-4.04 ms on a
+    lane per sender (benchmarks/broadcast_lanes.py, benchmarks/RESULTS.md)."""
+
+    groups: "tuple[dist.ProcessGroup | None, ...]"
+
+    def held(self) -> "list[dist.ProcessGroup]":
+        """The lanes this member belongs to, in sender order."""
+        return [g for g in self.groups if g is not None]
+
+
+def open_group(store: dist.Store, init: GroupInit, rank: int, device: torch.device) -> "dist.ProcessGroup | Lanes":
+    """Join the session as `rank` (blocks until every rank of each group joined, at most init.timeout_s): its one
+    group, or with several senders the lanes of `rank` (a receiver joins them in sender order; no deadlock, since each
+    sender joins only its own)."""
+    if init.senders == 1:
+        return _open(store, init, init.session, rank, init.world_size, device)
+    lanes = []
+    for q in range(init.senders):
+        if rank < init.senders and rank != q:
+            lanes.append(None)
+            continue
+        lane_rank = 0 if rank == q else rank - init.senders + 1
+        lanes.append(
+            _open(store, init, f"{init.session}/lane{q}", lane_rank, init.world_size - init.senders + 1, device)
+        )
+    return Lanes(tuple(lanes))
+
+
+def _open(store: dist.Store, init: GroupInit, name: str, rank: int, world_size: int, device: torch.device):
     timeout = datetime.timedelta(seconds=init.timeout_s)
-    prefixed = dist.PrefixStore(f"slipstream/{init.session}/", store)
+    prefixed = dist.PrefixStore(f"slipstream/{name}/", store)
     if init.backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, init.world_size, timeout)
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     if device.type != "cuda":
         raise ValueError("the nccl weight transfer needs CUDA devices on both sides; use gloo on CPU")
     torch.cuda.set_device(device)
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
-    group = dist.ProcessGroupNCCL(prefixed, rank, init.world_size, options)
+    group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     # Connect now, so the first broadcast is not also the (slow, all-ranks) communicator set-up.
     group.eager_connect_single_device(device)
     return group
 
 
-def close_group(group: "dist.ProcessGroup | None") -> None:
-    """Release a group (a dead peer's group is unusable); safe on None. NCCL groups are aborted: a clean shutdown
-    finalizes the communicator together with the peers, which would wait for receivers that keep their group."""
+def close_group(group: "dist.ProcessGroup | Lanes | None") -> None:
+    """Release a group or every lane (a dead peer's group is unusable); safe on None. NCCL groups are aborted: a clean
+    shutdown finalizes the communicator together with the peers, which would wait for receivers that keep their
+    group."""
     if group is None:
+        return
+    if isinstance(group, Lanes):
+        for lane in group.held():
+            close_group(lane)
         return
     nccl = getattr(dist, "ProcessGroupNCCL", None)  # absent from CPU builds of torch
     release = group.abort if nccl is not None and isinstance(group, nccl) else group.shutdown

@@ -330,21 +330,16 @@ def start_broadcast(group: "torch.distributed.ProcessGroup", tensor: torch.Tenso
     return group.broadcast([tensor], opts)
 
 
-def start_pieces(group: "torch.distributed.ProcessGroup", wire: torch.Tensor, layout: PieceLayout) -> list:
-    """Start the broadcasts of a bucket sent by several senders: sender q's piece from rank q, into its place in
-    `wire` (uint8, the layout's size) on every member. Returns the works to wait on. On CUDA the broadcasts go as one
-    NCCL group (coalesced: one launch, the pieces in flight together); gloo runs them one after the other."""
-    pieces = [
-        (q, start, size)
-        for q, (start, size) in enumerate(zip(layout.piece_starts, layout.piece_bytes, strict=True))
-        if size
-    ]
-    if len(pieces) > 1 and wire.is_cuda and getattr(group, "supports_coalescing", False):  # a backend (NCCL) object
-        group._start_coalescing()
-        for q, start, size in pieces:
-            start_broadcast(group, wire[start : start + size], q)
-        return [group._end_coalescing()]
-    return [start_broadcast(group, wire[start : start + size], q) for q, start, size in pieces]
+def start_pieces(lanes, wire: torch.Tensor, layout: PieceLayout) -> list:
+    """Start the broadcasts of a bucket sent by several senders (`lanes`: transport.collective.Lanes): sender q's
+    piece from rank 0 of lane q, into its place in `wire` (uint8, the layout's size), on every lane this member is in
+    (a receiver: all; a sender: its own). Returns the works to wait on. Each lane has its own communicator, so on CUDA
+    the pieces travel side by side (each on its lane's NCCL stream)."""
+    works = []
+    for lane, start, size in zip(lanes.groups, layout.piece_starts, layout.piece_bytes, strict=True):
+        if lane is not None and size:
+            works.append(start_broadcast(lane, wire[start : start + size]))
+    return works
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
