@@ -20,9 +20,9 @@ Scenarios (those that fit the visible GPUs):
 - `fsdp2`: trainer FSDP over GPUs 0-1 -> receivers on GPUs 2 and 3 (NCCL wants one GPU per rank).
 Models: Qwen3-0.6B's shape, and Qwen3-30B-A3B's shape cut to 8 layers (random weights; float32 masters as in
 training). Reported next to each: raw NCCL broadcast bandwidth from trainer rank 0 to the receivers (512 MiB buffer),
-measured in the same run, and the filesystem path (the same stream written as safetensors shards, then read and loaded by the receivers).
-`transfer_efficiency` = stream GB/s / that raw broadcast GB/s; the lowest over all runs of the path
-the trainer takes (`pieces`) is printed last.
+measured in the same run, and the filesystem path (the same stream written as safetensors shards, then read and
+loaded by the receivers). `transfer_efficiency` = stream GB/s / that raw broadcast GB/s; the lowest over all runs of
+the path the trainer takes (`pieces`) is printed last.
 
     python benchmarks/weight_transfer.py [--scenarios 1to1,fsdp2] [--models qwen3-0.6b,qwen3-30b-a3b-8l] [--bucket-mb 512]
         [--edge-mb 32] [--paths pieces,gather] [--skip-filesystem] [--profile DIR]

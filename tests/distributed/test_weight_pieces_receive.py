@@ -1,7 +1,8 @@
-"""Two trainer ranks each broadcast their own rows of a bucket (transport/pieces.py), each on its own lane, to a
-receiver running the receive code of Slipstream's vLLM engine (transport/weight_receiver.py): it gets every tensor whole, bit for bit, with uneven
-rows, a tensor held by one sender, a 0-d tensor and an empty one, over several buckets of two dtypes (gloo). Two
-versions in a row: the second lands in the buffers and views kept from the first."""
+"""Two trainer ranks each broadcast their own rows of a bucket (transport/pieces.py), each on its own lane, to two
+receivers running the receive code of Slipstream's vLLM engine (transport/weight_receiver.py): each gets every
+tensor whole, bit for bit, with uneven rows, a tensor held by one sender, a 0-d tensor and an empty one, over
+several buckets of two dtypes (gloo). Two versions in a row: the second lands in the buffers and views kept from the
+first."""
 
 import math
 import os
@@ -37,10 +38,10 @@ def sender_or_receiver(port: int, out_path) -> None:
     from slipstream.transport.weight_receiver import WeightReceiver
 
     rank = int(os.environ["RANK"])
-    init = GroupInit("gloo", "127.0.0.1", port, "s", world_size=3, rank_offset=2, timeout_s=60, senders=2)
+    init = GroupInit("gloo", "127.0.0.1", port, "s", world_size=4, rank_offset=2, timeout_s=60, senders=2)
     manifest = _manifest()
-    if rank == 2:
-        receiver = WeightReceiver(torch.device("cpu"))
+    if rank >= 2:  # two receivers: each lane is a sender and both
+        receiver = WeightReceiver(torch.device("cpu"), rank_in_receivers=rank - 2)
         receiver.join(init)
         got = [{}, {}]
         for version in range(2):
@@ -48,7 +49,7 @@ def sender_or_receiver(port: int, out_path) -> None:
                 {"step": 4, "manifest": manifest.to_dict()},
                 lambda pairs, v=version: got[v].update({n: t.clone() for n, t in pairs}),
             )
-        torch.save({"got": got, "bytes": stats.num_bytes}, out_path)
+        torch.save({"got": got, "bytes": stats.num_bytes}, f"{out_path}.{rank}")
         for lane in receiver.group.held():  # no sender leaves before the receiver has everything
             lane.barrier().wait()
         receiver.shutdown()
@@ -78,15 +79,16 @@ def send_rows(lanes, rank: int, manifest: Manifest, tensors: dict[str, torch.Ten
             work.wait()
 
 
-def test_a_receiver_gets_every_tensor_whole_from_two_senders(tmp_path):
+def test_two_receivers_get_every_tensor_whole_from_two_senders(tmp_path):
     from tests.distributed.helpers import run_ranks
     from tests.e2e.helpers import free_port
 
-    run_ranks(3, sender_or_receiver, free_port(), tmp_path / "got.pt")
-    result = torch.load(tmp_path / "got.pt")
-    for version, got in enumerate(result["got"]):
-        want = _tensors(version)
-        assert got.keys() == want.keys()
-        for name, tensor in want.items():
-            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), (version, name)
-    assert result["bytes"] == _manifest().nbytes
+    run_ranks(4, sender_or_receiver, free_port(), tmp_path / "got.pt")
+    for rank in (2, 3):
+        result = torch.load(tmp_path / f"got.pt.{rank}")
+        for version, got in enumerate(result["got"]):
+            want = _tensors(version)
+            assert got.keys() == want.keys()
+            for name, tensor in want.items():
+                assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), (rank, version, name)
+        assert result["bytes"] == _manifest().nbytes

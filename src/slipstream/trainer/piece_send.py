@@ -13,7 +13,6 @@ fused experts). Anything else (HSDP, experts sharded twice by FSDP x EP) is stre
 (weight_export.HFWeightStream); `PieceSender.plan` says which.
 """
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -206,9 +205,10 @@ class PieceSender:
 
     def send(self, group, device: torch.device, files: BucketSink | None = None, collect: bool = False) -> None:
         """Send one version: every bucket, this rank's piece broadcast on its lane of `group` (the session's Lanes; one
-        trainer rank: the session's group). Every trainer rank calls this at the same time. `collect` (every rank alike): rank 0 also gets every other rank's piece, over the
-        trainer's default process group, and hands each whole bucket to `files` (rank 0's safetensors shards of
-        checkpoint steps). Raises what a group raises (a receiver that died); the caller closes the group."""
+        trainer rank: the session's group). Every trainer rank calls this at the same time. `collect` (every rank
+        alike): rank 0 also gets every other rank's piece, over the trainer's default process group, and hands each
+        whole bucket to `files` (rank 0's safetensors shards of checkpoint steps). Raises what a group raises (a
+        receiver that died); the caller closes the group."""
         if not self.buckets:
             return
         collect = collect and self.world > 1
@@ -220,34 +220,34 @@ class PieceSender:
             self.slots, self.views = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(n)], {}
         whole = torch.empty(size, dtype=torch.uint8, device=device) if files is not None and self.world > 1 else None
         cuda = device.type == "cuda"
-        send_stream = torch.cuda.Stream(device) if cuda else None
-        current = torch.cuda.current_stream(device) if cuda else None
-        sent: dict[int, torch.cuda.Event] = {}
+        pending: dict[int, list] = {}
+        """Bucket -> its sends still in flight (CUDA: each runs on its group's NCCL stream, after the fill)."""
         for b, bucket in enumerate(self.buckets):
             slot = b % len(self.slots)
-            if cuda and b >= len(self.slots):
-                current.wait_event(sent.pop(b - len(self.slots)))  # its buffer's last broadcasts are done
+            for work in pending.pop(b - len(self.slots), ()):
+                work.wait()  # the buffer's last sends are done before it is filled again (CUDA: the stream waits)
             self._fill(b, slot)
             wire = self.slots[slot][: bucket.nbytes]
-            ready = current.record_event() if cuda else None
-            with torch.cuda.stream(send_stream) if cuda else contextlib.nullcontext():
-                if ready is not None:
-                    send_stream.wait_event(ready)
-                works = start_pieces(group, wire, bucket.layout) if self.world > 1 else [start_broadcast(group, wire)]
-                if collect:
-                    works += self._collect(wire, bucket)
+            # No stream of our own: a group's collective waits for what the current stream queued (this fill), and
+            # runs on its own NCCL stream, so the next fill goes on at once (one stream switch and two events fewer
+            # per bucket on the sender's host, which the first small buckets wait for).
+            works = start_pieces(group, wire, bucket.layout) if self.world > 1 else [start_broadcast(group, wire)]
+            if collect:
+                works += self._collect(wire, bucket)
+            if files is not None or not cuda:
                 for work in works:
-                    work.wait()  # CUDA: the send stream waits; gloo: this thread does
-                if files is not None:
-                    flat = wire
-                    if whole is not None:
-                        flat = whole[: bucket.nbytes]
-                        bucket.layout.reassemble(wire, flat)
-                    files.send(b, bucket, flat)
-                if cuda:
-                    sent[b] = send_stream.record_event()
-        if cuda:
-            current.wait_stream(send_stream)
+                    work.wait()  # gloo: this thread waits
+                works = []
+            if files is not None:
+                flat = wire
+                if whole is not None:
+                    flat = whole[: bucket.nbytes]
+                    bucket.layout.reassemble(wire, flat)
+                files.send(b, bucket, flat)
+            pending[b] = works
+        for works in pending.values():
+            for work in works:
+                work.wait()
         if files is not None:
             files.close()
 

@@ -3,10 +3,11 @@ gathering the whole model first: every byte then crosses the link once, not twic
 
 Sender q's *piece* of a bucket is, tensor after tensor in bucket order, the rows of that tensor it holds (a
 tensor's rows are its first-dim slices; a 0-d tensor is one row). On the wire a bucket's buffer is piece 0, then
-piece 1, ...: each sender broadcasts its own piece as the root, into the same offsets on every member. Receivers
-then lay the tensors out whole (tensor after tensor, as one sender would have sent them) with one copy (a `torch.cat`
-of the wire's segments in the whole layout's order), and hand them on exactly as before. A `Bucket.rows` table (from the manifest) says
-how many rows of each tensor each sender holds.
+piece 1, ...: each sender broadcasts its own piece as the root of its lane (transport/collective.py), into the same
+offsets on every receiver. Receivers then lay the tensors out whole (tensor after tensor, as one sender would have
+sent them) with one copy (a `torch.cat` of the wire's segments in the whole layout's order), and hand them on exactly
+as before. A `Bucket.rows` table (from
+the manifest) says how many rows of each tensor each sender holds.
 """
 
 import functools
