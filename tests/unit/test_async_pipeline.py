@@ -230,12 +230,12 @@ def test_adaptive_concurrency_grows_while_healthy_and_backs_off_on_queueing(tmp_
     concurrency = {"mode": "adaptive", "min": 2, "max": 16, "poll_interval_s": 0.02, "waiting_polls": 1}
     with serve_in_thread(server) as url:
         config = config_for(
-            tmp_path, url, max_steps=6, batch_size=4, sampling={"max_tokens": 20}, concurrency=concurrency
-        )
+            tmp_path, url, max_steps=4, batch_size=8, sampling={"max_tokens": 20}, concurrency=concurrency
+        )  # a batch is twice the server's capacity: it queues even when a busy host lets one batch at a time out
         _, pipeline = drive(config, tasks)
     limits = [limit for _, _, limit in polls]
     assert limits[:2] == [4, 8]  # slow start while the server does not queue (capacity: 4 sequences)
-    assert pipeline.limit.num_backoffs >= 1 and not pipeline.limit.slow_start  # queueing made it back off
+    assert pipeline.limit.num_backoffs >= 1 and not pipeline.limit.slow_start, polls  # queueing made it back off
     backoff = next(i for i in range(1, len(polls)) if limits[i] < limits[i - 1])
     assert polls[backoff][0] > 0 and limits[backoff] == limits[backoff - 1] // 2
 
