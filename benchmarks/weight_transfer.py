@@ -9,8 +9,9 @@ bucket loaded, last bucket loaded, done, in ms) and the sender's (`pieces_*_send
 whether a host falls behind its GPU.
 - `pieces` (what the trainer uses when the model's sharding allows, trainer/piece_send.py): every trainer rank casts
   its own rows of each bucket into a reused buffer and broadcasts them on its own lane (a group of it and the
-  receivers); receivers lay the bucket out whole; the bucket plan ramps up from and down to `--edge-mb` (the
-  trainer's weights.edge_bucket_mb);
+  receivers); receivers replay the copy plan straight from the buffer the pieces arrived in (`--lay-out`: lay the
+  bucket out whole first, as the loader's first version does); the bucket plan ramps up from and down to
+  `--edge-mb` (the trainer's weights.edge_bucket_mb);
 - `gather` (the fallback, trainer/weight_export.py): FSDP shards cast to bf16 and all-gathered a chunk of layers at a
   time by trainer/shard_gather.py, each layer copied into reused dtype-grouped bucket buffers, rank 0 broadcasting
   each bucket while the next layers are gathered.
@@ -25,7 +26,7 @@ loaded by the receivers). `transfer_efficiency` = stream GB/s / that raw broadca
 the path the trainer takes (`pieces`) is printed last.
 
     python benchmarks/weight_transfer.py [--scenarios 1to1,fsdp2] [--models qwen3-0.6b,qwen3-30b-a3b-8l] [--bucket-mb 512]
-        [--edge-mb 32] [--paths pieces,gather] [--skip-filesystem] [--profile DIR]
+        [--edge-mb 32] [--paths pieces,gather] [--skip-filesystem] [--lay-out] [--profile DIR]
 """
 
 import argparse
@@ -327,8 +328,9 @@ def receiver(index: int, args: dict, inits: dict, manifests: dict, results) -> N
             rx.join(inits["pieces"])
             _receive_raw(_lane0(rx.group))
             trace = f"pieces-receiver{index}" if index == 0 else None
-            exact, host_ms = _receive_stream(rx, manifests["pieces"], load, params, args, trace)
+            exact, host_ms, wire_loads = _receive_stream(rx, manifests["pieces"], load, params, args, trace)
             results[f"receiver{index}_pieces_plan_exact"] = exact
+            results[f"receiver{index}_pieces_wire_loads"] = wire_loads
             results[f"receiver{index}_pieces_host_ms"] = host_ms
             rx.shutdown()
         else:
@@ -343,11 +345,11 @@ def receiver(index: int, args: dict, inits: dict, manifests: dict, results) -> N
         )
 
 
-def _receive_stream(rx, manifest, load, params: dict, args: dict, trace: str | None) -> tuple[bool, dict]:
+def _receive_stream(rx, manifest, load, params: dict, args: dict, trace: str | None) -> tuple[bool, dict, int]:
     """The stream REPEATS + 1 times for each of PHASES, then (--profile) once traced, loading by the copy plan.
     Parameters are NaN-filled before every replayed version. Returns whether the replays left exactly the bytes the
-    tensor-by-tensor loads did, and the host times of each phase's last version (ms: start, first bucket loaded, last
-    bucket loaded, done)."""
+    tensor-by-tensor loads did, the host times of each phase's last version (ms: start, first bucket loaded, last
+    bucket loaded, done), and how many buckets the last replayed version loaded straight from the wire buffer."""
     from slipstream.transport.copy_plan import PlannedLoads
 
     info = {"step": manifest.step, "manifest": manifest.to_dict()}
@@ -362,6 +364,16 @@ def _receive_stream(rx, manifest, load, params: dict, args: dict, trace: str | N
 
     marks: list[float] = []
 
+    def direct(bucket, wire) -> bool:
+        """Several senders: replay the plan straight from the wire buffer (as the engine does)."""
+        if not loads.replay_wire(tuple(t.name for t in bucket.tensors), bucket.layout, wire):
+            return False
+        marks.append(time.perf_counter())
+        wired[0] += 1
+        return True
+
+    wired = [0]
+
     def timed(loader):
         def call(pairs) -> None:
             loader(pairs)
@@ -375,11 +387,12 @@ def _receive_stream(rx, manifest, load, params: dict, args: dict, trace: str | N
                 p.fill_(float("nan"))  # a replay that misses a byte cannot keep the loads' value
         _sync(rx.group)  # the sender starts its clock now
         marks.clear()
+        wired[0] = 0
         t0 = time.perf_counter()
         if loader is planned:
             loads.start(params.values)  # inside the clock, as the engine's start_weight_update
         t1 = time.perf_counter()
-        rx.receive(info, timed(loader))
+        rx.receive(info, timed(loader), direct if loader is planned and not args["lay_out"] else None)
         t2 = time.perf_counter()
         if loader is planned:
             loads.end(params.values())
@@ -396,10 +409,11 @@ def _receive_stream(rx, manifest, load, params: dict, args: dict, trace: str | N
         raise RuntimeError(f"the receiver's loads were not replayed from a copy plan: {loads.refused}")
     exact = all(torch.equal(loaded[n].view(torch.uint8), p.view(torch.uint8)) for n, p in params.items())
     host_ms = dict(host)  # before a traced version, if any, overwrites the last one
+    wire_loads = wired[0]
     if args["profile"]:
         with _traced(args, trace):
             receive(planned, "stream")
-    return exact, host_ms
+    return exact, host_ms, wire_loads
 
 
 def _receive_gathered(index: int, args: dict, init, manifest, load, params: dict) -> bool:
@@ -414,7 +428,7 @@ def _receive_gathered(index: int, args: dict, init, manifest, load, params: dict
         for _pairs in receive_buckets(rx.group, manifest, device):
             pass
         _sync(rx.group)
-    exact, _ = _receive_stream(rx, manifest, load, params, args, f"receiver{index}" if index == 0 else None)
+    exact, _, _ = _receive_stream(rx, manifest, load, params, args, f"receiver{index}" if index == 0 else None)
     if args["skip_filesystem"]:
         rx.shutdown()
         return exact
@@ -505,6 +519,7 @@ def run(
     paths: tuple[str, ...] = PATHS,
     device: str = "cuda",
     edge_mb: int = EDGE_MB,
+    lay_out: bool = False,
 ) -> dict:
     num_trainers, num_receivers = SCENARIOS[scenario]
     fs_dir = Path(tempfile.mkdtemp(prefix="slipstream-wt-"))
@@ -522,6 +537,7 @@ def run(
         "scenario": scenario,
         "paths": paths,
         "device": device,
+        "lay_out": lay_out,
     }
     with mp.Manager() as manager:
         results = manager.dict()
@@ -567,6 +583,12 @@ def main() -> int:
         "DIR, one file per scenario, model and side)",
     )
     parser.add_argument(
+        "--lay-out",
+        action="store_true",
+        help="fsdp2 pieces: receivers lay each bucket out whole before replaying the copy plan (as before replays read "
+        "the wire buffer)",
+    )
+    parser.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: gloo ranks, a smoke run (figures mean nothing)"
     )
     cli = parser.parse_args()
@@ -590,6 +612,7 @@ def main() -> int:
                 paths,
                 cli.device,
                 cli.edge_mb,
+                cli.lay_out,
             )
             efficiencies.append(r["pieces_efficiency" if "pieces" in paths else "efficiency"])
             print(

@@ -26,6 +26,8 @@ def test_both_paths_leave_every_receiver_with_the_same_bytes():
     assert result["receiver0_paths_agree"] is True and result["receiver1_paths_agree"] is True
     # the receivers' copy-plan replays left exactly what tensor-by-tensor loads did, on both paths
     assert [result[f"receiver{i}_{p}_plan_exact"] for i in (0, 1) for p in ("pieces", "gather")] == [True] * 4
+    # ... the pieces path's replays reading every bucket straight from the buffer its pieces arrived in
+    assert [result[f"receiver{i}_pieces_wire_loads"] for i in (0, 1)] == [result["pieces_num_buckets"]] * 2
     assert result["num_tensors"] == 310 and result["num_buckets"] >= 2
     # the pieces path's plan ramps (weights.edge_bucket_mb): other buckets than the gather path's, the same bytes
     assert result["pieces_num_buckets"] > result["num_buckets"]

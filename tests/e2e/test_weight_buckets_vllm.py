@@ -60,3 +60,15 @@ def test_layers_that_keep_their_weights_are_replayed_and_other_buckets_replanned
     plans = _reload(tiny_qwen3_dir, "--unpacked", "--replan")["plans"]
     assert [p["replays"] for p in plans] == [0, 1, 1, 2], plans
     assert all(p["copies"] == TENSORS and p["refused"] is None for p in plans), plans
+
+
+def test_two_senders_pieces_are_replayed_straight_from_the_wire(tiny_qwen3_dir):
+    """Two trainer ranks each send their own rows (uneven: a third and two thirds) on their own lane: the first version
+    goes through vLLM's loaders (laid out whole), the next two replay the copy plan straight from the buffers the
+    pieces arrived in (transport/copy_plan.py `replay_wire`): vLLM's fused q/k/v and gate/up parameters included,
+    bit for bit."""
+    result = _reload(tiny_qwen3_dir, "--unpacked", "--senders", "2")
+    plans, buckets = result["plans"], result["buckets"]
+    assert [p["replays"] for p in plans] == [0, 1, 2], plans
+    assert [p["wire_calls"] for p in plans] == [0, buckets, 2 * buckets], plans
+    assert all(p["copies"] == TENSORS and p["refused"] is None for p in plans), plans

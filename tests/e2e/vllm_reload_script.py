@@ -12,7 +12,10 @@ With `--replan`, the third version comes in buckets twice as large: the copy pla
 and the engine loads it through vLLM's loaders again (and records a new plan); a fourth version, the model's own
 weights in those buckets, follows.
 
-    python vllm_reload_script.py MODEL_DIR PORT BUCKET_BYTES [--unpacked] [--replan]
+With `--senders 2`, two sender threads (two FSDP ranks in small) each broadcast their own rows of every tensor on
+their own lane (transport/pieces.py), uneven splits included.
+
+    python vllm_reload_script.py MODEL_DIR PORT BUCKET_BYTES [--unpacked] [--replan] [--senders 2]
 """
 
 import json
@@ -30,7 +33,14 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from slipstream.transport.collective import GroupInit, open_group, open_store  # noqa: E402
-from slipstream.transport.weight_stream import Manifest, TensorMeta, broadcast, plan_buckets  # noqa: E402
+from slipstream.transport.weight_stream import (  # noqa: E402
+    Bucket,
+    Manifest,
+    TensorMeta,
+    broadcast,
+    plan_buckets,
+    start_pieces,
+)
 
 PROMPT = list(range(5, 60))
 
@@ -48,10 +58,38 @@ def keep_weights_unpacked() -> None:
 
 def plan_state(worker) -> dict:
     loads = worker.weight_transfer_engine.loads
-    return {"copies": loads.plan.num_copies if loads.plan else None, "refused": loads.refused, "replays": loads.replays}
+    return {
+        "copies": loads.plan.num_copies if loads.plan else None,
+        "refused": loads.refused,
+        "replays": loads.replays,
+        "wire_calls": loads.wire_calls,
+    }
 
 
-def main(model_dir: str, port: int, bucket_bytes: int, unpacked: bool, replan: bool) -> None:
+def split_rows(manifest: Manifest) -> Manifest:
+    """The same buckets sent by two ranks: sender 0 holds the first third of each tensor's rows (rounded up)."""
+    buckets = []
+    for b in manifest.buckets:
+        rows = []
+        for t in b.tensors:
+            n = t.shape[0] if t.shape else 1
+            rows.append((-(-n // 3), n - -(-n // 3)))
+        buckets.append(Bucket(b.dtype, b.tensors, tuple(rows)))
+    return Manifest(manifest.step, tuple(buckets), senders=2)
+
+
+def send_rows(lanes, rank: int, plan: Manifest, tensors: dict[str, torch.Tensor]) -> None:
+    for bucket in plan.buckets:
+        wire = torch.empty(bucket.nbytes, dtype=torch.uint8)
+        for meta, (offset, nbytes), split in zip(bucket.tensors, bucket.layout.own[rank], bucket.rows, strict=True):
+            t = tensors[meta.name]
+            rows = t.reshape(t.shape[0] if t.dim() else 1, -1)[sum(split[:rank]) : sum(split[: rank + 1])]
+            wire[offset : offset + nbytes] = rows.reshape(-1).view(torch.uint8)
+        for work in start_pieces(lanes, wire, bucket.layout):
+            work.wait()
+
+
+def main(model_dir: str, port: int, bucket_bytes: int, unpacked: bool, replan: bool, senders: int) -> None:
     from vllm import LLM, SamplingParams
 
     if unpacked:
@@ -68,12 +106,19 @@ def main(model_dir: str, port: int, bucket_bytes: int, unpacked: bool, replan: b
     if replan:
         larger = Manifest(1, tuple(plan_buckets(metas, bucket_bytes * 2)))
         versions, manifests = [*versions, weights], [manifest, manifest, larger, larger]
-    init = GroupInit("gloo", "127.0.0.1", port, "reload", world_size=2, timeout_s=300)
+    if senders == 2:
+        manifests = [split_rows(m) for m in manifests]
+    init = GroupInit(
+        "gloo", "127.0.0.1", port, "reload", world_size=1 + senders, rank_offset=senders, timeout_s=300, senders=senders
+    )
 
-    def send() -> None:
-        store = open_store(init.master_addr, init.master_port, is_master=True, timeout_s=init.timeout_s)
-        group = open_group(store, init, 0, torch.device("cpu"))
+    def send(rank: int = 0) -> None:
+        store = open_store(init.master_addr, init.master_port, is_master=rank == 0, timeout_s=init.timeout_s)
+        group = open_group(store, init, rank, torch.device("cpu"))
         for tensors, plan in zip(versions, manifests, strict=True):
+            if senders == 2:
+                send_rows(group, rank, plan, tensors)
+                continue
             for bucket in plan.buckets:
                 flat = torch.cat([tensors[t.name].reshape(-1).view(torch.uint8) for t in bucket.tensors])
                 broadcast(group, flat)
@@ -92,8 +137,9 @@ def main(model_dir: str, port: int, bucket_bytes: int, unpacked: bool, replan: b
         return [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
 
     before = logprobs()
-    sender = threading.Thread(target=send, daemon=True)
-    sender.start()
+    threads = [threading.Thread(target=send, args=(rank,), daemon=True) for rank in range(senders)]
+    for thread in threads:
+        thread.start()
     llm.collective_rpc("init_weight_transfer_engine", args=(init.to_dict(),))
     after, plans, seconds = [], [], []
     for plan in manifests:
@@ -105,10 +151,13 @@ def main(model_dir: str, port: int, bucket_bytes: int, unpacked: bool, replan: b
         after.append(logprobs())
         plans.append(llm.collective_rpc(plan_state)[0])
     llm.collective_rpc("shutdown_weight_transfer_engine")
-    sender.join(timeout=60)
+    for thread in threads:
+        thread.join(timeout=60)
     result = {"buckets": len(manifest.buckets), "before": before, "after": after, "plans": plans, "seconds": seconds}
     print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "--unpacked" in sys.argv[4:], "--replan" in sys.argv[4:])
+    flags = sys.argv[4:]
+    senders = int(flags[flags.index("--senders") + 1]) if "--senders" in flags else 1
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "--unpacked" in flags, "--replan" in flags, senders)

@@ -98,14 +98,19 @@ class DeferredLoader:
                 self.model[module].copy_(temp)
 
 
+def load_bucket(loads: PlannedLoads, loader, pairs) -> None:
+    """One bucket as the engine loads it: replayed from the plan, or by the loader (watched while recording)."""
+    if loads.replaying():
+        loads.replay(pairs)
+        return
+    with loads.call(pairs):
+        loader(pairs)
+
+
 def _run(loads: PlannedLoads, model, loader, weights, sizes=(3, 4, 10)) -> bool:
     replayed = loads.start(lambda: model.values())
     for pairs in _buckets(weights, sizes):
-        if loads.replaying():
-            loads.replay(pairs)
-        else:
-            with loads.call(pairs):
-                loader(pairs)
+        load_bucket(loads, loader, pairs)
     loads.end(model.values())
     return replayed
 
@@ -116,8 +121,8 @@ def _expected(loader_cls, weights, device: str = "cpu"):
     return model
 
 
-@pytest.mark.parametrize("loader_cls", [direct_loader, DeferredLoader], ids=["direct", "deferred"])
-@pytest.mark.parametrize(
+LOADERS = pytest.mark.parametrize("loader_cls", [direct_loader, DeferredLoader], ids=["direct", "deferred"])
+DEVICES = pytest.mark.parametrize(
     "device",
     [
         "cpu",
@@ -127,10 +132,11 @@ def _expected(loader_cls, weights, device: str = "cpu"):
         ),
     ],
 )
-def test_recorded_loads_replay_bit_for_bit(loader_cls, device, monkeypatch):
-    fused = []
-    foreach_copy = torch._foreach_copy_
-    monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s, **kw: (fused.append(len(d)), foreach_copy(d, s, **kw)))
+
+
+@LOADERS
+@DEVICES
+def test_recorded_loads_replay_bit_for_bit(loader_cls, device, fused):
     model = _model(device)
     loader = loader_cls(model)
     calls = []

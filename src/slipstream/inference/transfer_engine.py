@@ -8,7 +8,8 @@ on builds that keep a packed copy of a tied LM head, refreshes that copy (refres
 
 The first version's loads are watched (transport/copy_plan.py): when vLLM only copied the received bytes into the
 model's parameters (bf16 on GPU), later versions replay those copies (one fused copy per bucket), without vLLM's
-loaders or its layer-wise reload. Otherwise (vLLM's CPU build repacks linear weights; quantized layers transform
+loaders or its layer-wise reload; pieces of several trainer ranks are copied straight from the buffer they arrived
+in, without being laid out whole first. Otherwise (vLLM's CPU build repacks linear weights; quantized layers transform
 them) every version keeps going through vLLM, and the log says why once. `SLIPSTREAM_WEIGHT_COPY_PLAN=0` turns the
 replay off.
 """
@@ -27,7 +28,7 @@ from vllm.distributed.weight_transfer.base import (
 from slipstream.transport.collective import GroupInit
 from slipstream.transport.copy_plan import PlanMismatch, PlannedLoads
 from slipstream.transport.weight_receiver import WeightReceiver
-from slipstream.transport.weight_stream import Manifest
+from slipstream.transport.weight_stream import Bucket, Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
             if not self.loads.expect([tuple(t.name for t in b.tensors) for b in buckets]):
                 logger.info("slipstream weight transfer: other buckets than the copy plan's; loading through vLLM")
                 self._load_through_vllm()
-        stats = self.receiver.receive(info, self._load)
+        stats = self.receiver.receive(info, self._load, self._load_wire)
         logger.info("slipstream weight transfer: %s", stats.to_dict())
 
     def _load(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
@@ -97,6 +98,23 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
             copied = keep_deferred_loads(pairs)
         if copied:
             logger.debug("slipstream weight transfer: kept %d bytes of layers not complete yet", copied)
+
+    def _load_wire(self, bucket: Bucket, wire: torch.Tensor) -> bool:
+        """Several trainer ranks' pieces of a bucket: replay the copy plan straight from the wire buffer, which saves
+        laying the bucket out whole first (a copy of every byte). False: lay it out and `_load` it."""
+        if not self.loads.replaying():
+            return False
+        names = tuple(t.name for t in bucket.tensors)
+        try:
+            if not self.loads.replay_wire(names, bucket.layout, wire):
+                return False
+        except PlanMismatch as e:
+            self.loads.record_instead()  # only at a version's first bucket; later, the version fails
+            logger.info("slipstream weight transfer: %s; this version loads through vLLM", e)
+            self._load_through_vllm()
+            return False
+        self._loaded.update(names)
+        return True
 
     def _load_through_vllm(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload

@@ -8,7 +8,7 @@ step of a run): a version then costs a few operations per bucket on the receivin
 sender is fast).
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -22,12 +22,13 @@ NUM_SLOTS = 2
 
 class ReceiveBuffers:
     """A receiver's bucket buffers and the views into them, for one plan at a time: `NUM_SLOTS` buffers of the
-    largest bucket (and as many more for the wire layout when several senders send pieces)."""
+    largest bucket. With several senders these take the wire layout, and as many more (allocated at the first bucket
+    laid out whole) the tensors laid out whole; loads that read the wire need no more."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.buckets: tuple[Bucket, ...] | None = None
-        self.slots: list[torch.Tensor] = []
+        self.slots: list[torch.Tensor | None] = []
         self.wires: list[torch.Tensor] = []
         self.pairs: dict[int, list[tuple[str, torch.Tensor]]] = {}
         """Bucket index -> its tensors' views into its slot."""
@@ -43,13 +44,18 @@ class ReceiveBuffers:
         self.buckets = buckets
         size = max((b.nbytes for b in buckets), default=0)
         n = min(NUM_SLOTS, len(buckets))
-        self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(n)]
         if manifest.senders > 1:
             self.wires = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(n)]
+            self.slots = [None] * n  # allocated when a bucket is first laid out (loads that read the wire need none)
+        else:
+            self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(n)]
 
     def flat(self, i: int) -> torch.Tensor:
         assert self.buckets is not None
-        return self.slots[i % len(self.slots)][: self.buckets[i].nbytes]
+        k = i % len(self.slots)
+        if self.slots[k] is None:
+            self.slots[k] = torch.empty(max(b.nbytes for b in self.buckets), dtype=torch.uint8, device=self.device)
+        return self.slots[k][: self.buckets[i].nbytes]
 
     def wire(self, i: int) -> torch.Tensor:
         assert self.buckets is not None
@@ -79,18 +85,22 @@ def receive_buckets(
     manifest: Manifest,
     device: torch.device,
     buffers: ReceiveBuffers | None = None,
+    direct: "Callable[[Bucket, torch.Tensor], bool] | None" = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yields each bucket's (name, tensor) views, in plan order. The next bucket is already being received while the
     caller loads this one, into the second of two buffers of the largest bucket's size; a bucket's views are valid
     until the next bucket is requested (its buffer then receives the bucket after that: a caller that keeps views
     longer, as vLLM's layer-wise reload does, copies them; inference/transfer_engine.py keep_deferred_loads). Pieces
     of several senders arrive on `group`'s lanes (side by side) into two more such buffers and are laid out whole by
-    one copy. `buffers` (kept by the caller from one version to the next) hold the buffers and views.
+    one copy, unless `direct(bucket, wire)` (asked first, on the caller's stream) loads the bucket straight from its
+    wire buffer and returns True: that bucket is not laid out and not yielded (a copy plan composed with the piece
+    layout, transport/copy_plan.py). `buffers` (kept by the caller from one version to the next) hold the buffers and
+    views.
 
-    On CUDA the receives run on their own stream: the caller's stream waits for bucket k only (an event), and the
-    receive of bucket k+2 waits only for the caller's loads of bucket k, which used the same buffers. Pieces are laid
-    out on the caller's stream, so the receive stream goes on to the next bucket's broadcasts at once; their receive
-    of bucket k+2 waits only for that layout copy of bucket k, not for its loads."""
+    On CUDA the broadcasts are queued from a receive stream that holds only the waits for free buffers: bucket k+1's
+    broadcasts are queued before the caller's stream waits for bucket k (an event per work), so on each NCCL stream
+    they follow bucket k's without a gap, and the receive of bucket k+2 waits only for what read bucket k's buffer:
+    the caller's loads of bucket k (one sender), or the layout copy or direct loads of bucket k (several)."""
     buckets = manifest.buckets
     lanes = len(group.groups) if isinstance(group, Lanes) else 1
     if lanes != manifest.senders:
@@ -106,35 +116,46 @@ def receive_buckets(
     recv_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     loaded: dict[int, torch.cuda.Event] = {}
 
-    def receive(i: int) -> None:
-        """Receive bucket i (on CUDA: queue it on the receive stream)."""
-        if manifest.senders == 1:
-            works = [start_broadcast(group, buffers.flat(i))]
-        else:
-            works = start_pieces(group, buffers.wire(i), buckets[i].layout)
-        for work in works:
-            work.wait()  # CUDA: the receive stream waits, not this thread
-
-    def start(i: int):
+    def start(i: int) -> list:
+        """Start receiving bucket i; returns its works (gloo: already complete)."""
         if recv_stream is None:
-            receive(i)  # gloo: synchronous here (the CPU twin needs no overlap)
-            return None
+            works = _start(group, manifest, buffers, i)
+            for work in works:
+                work.wait()  # gloo: synchronous here (the CPU twin needs no overlap)
+            return []
+        # The broadcasts wait only for the buffer they fill to be free (an event on the receive stream, which holds
+        # nothing else), so on each lane's NCCL stream bucket i queues right behind bucket i - 1 and starts the moment
+        # it ends. Had the receive stream also waited for bucket i - 1 (as it did), bucket i would have become ready
+        # together with the copies that wait for bucket i - 1: a copy kernel filling every SM first held the next
+        # broadcast back for its whole length (gaps of 50-140 us between buckets in a 4 x H200 trace).
         with torch.cuda.stream(recv_stream):
             if i >= num_slots:
                 recv_stream.wait_event(loaded.pop(i - num_slots))
-            receive(i)
-            return recv_stream.record_event()
+            return _start(group, manifest, buffers, i)
 
-    done = start(0)
+    works = start(0)
     for i in range(len(buckets)):
-        if recv_stream is not None:
-            torch.cuda.current_stream(device).wait_event(done)
+        if recv_stream is not None and i >= 1 and manifest.senders == 1:
+            # The caller's loads of bucket i - 1 are queued by now, so its buffer may take bucket i + 1.
+            loaded[i - 1] = torch.cuda.current_stream(device).record_event()
+        following = start(i + 1) if i + 1 < len(buckets) else []
+        for work in works:
+            work.wait()  # CUDA: the caller's stream waits for bucket i's broadcasts, not this thread
+        works = following
         if manifest.senders > 1:
-            buffers.reassemble(i)  # on the caller's stream, after bucket i arrived and before its loads
-        if recv_stream is not None and (i >= 1 or manifest.senders > 1):
-            # One sender: the caller's loads of bucket i - 1 are queued by now, so its buffer may take bucket i + 1.
-            # Several: bucket i's wire buffer may take bucket i + 2 once laid out (the loads read the layout).
-            loaded[i if manifest.senders > 1 else i - 1] = torch.cuda.current_stream(device).record_event()
-        if i + 1 < len(buckets):
-            done = start(i + 1)
+            taken = direct is not None and direct(buckets[i], buffers.wire(i))
+            if not taken:
+                buffers.reassemble(i)  # on the caller's stream, after bucket i arrived and before its loads
+            if recv_stream is not None:
+                # Bucket i's wire buffer may take bucket i + 2 once read: laid out (the loads read the layout), or
+                # loaded from directly.
+                loaded[i] = torch.cuda.current_stream(device).record_event()
+            if taken:
+                continue
         yield buffers.views(i)
+
+
+def _start(group, manifest: Manifest, buffers: ReceiveBuffers, i: int) -> list:
+    if manifest.senders == 1:
+        return [start_broadcast(group, buffers.flat(i))]
+    return start_pieces(group, buffers.wire(i), manifest.buckets[i].layout)

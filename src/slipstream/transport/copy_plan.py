@@ -22,6 +22,11 @@ packed copy of it would be replayed into the parameter only. Slipstream's probe 
 of the new version against the trainer's) is what catches that. vLLM's CPU build repacks linear weights after
 loading, so on CPU the plan is refused and loads stay with vLLM; on GPU, bf16 linear and MoE layers only copy.
 
+Several trainer ranks' pieces of a bucket (transport/pieces.py) need not be laid out whole for a replay: each copy is
+split where the senders' rows meet, and its parts read the buffer the pieces arrived in (`replay_wire`). That saves
+a copy of every byte on the receiving GPU, where such copies delayed the next bucket's broadcasts. A copy whose view
+holds two senders' rows in one index cannot be split, and that bucket is laid out and replayed as usual.
+
 Writes the loader makes from data that was not received (a constant fill of a padded row, a default written into
 a buffer) are the same every version: the replay leaves them in place.
 """
@@ -32,7 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slipstream.transport.load_recorder import Copies, LoadRecorder, Pairs, PlanRefused, byte_offset
+from slipstream.transport.load_recorder import Copies, LoadRecorder, Pairs, PlanRefused, View, byte_offset
+from slipstream.transport.pieces import PieceLayout
 
 __all__ = ["CopyPlan", "LoadRecorder", "PlanMismatch", "PlanRefused", "PlannedLoads"]
 
@@ -49,6 +55,8 @@ class _CallPlan:
     last: Pairs | None = None
     """The list of pairs last replayed, held: a receiver that keeps its views hands the same list every version
     (transport/bucket_receive.py), which then needs no check and no new views (~150 tensors a MoE bucket)."""
+    wired: "_Wired | None" = None
+    """The copies composed with the bucket's piece layout (`CopyPlan.replay_wire`), once worked out."""
 
     def __post_init__(self) -> None:
         self.dsts = [v.on(t.untyped_storage(), 0, t.device) for _, t, v in self.copies]
@@ -59,6 +67,43 @@ class _CallPlan:
             s.view.on(pairs[s.pair][1].untyped_storage(), byte_offset(pairs[s.pair][1]), pairs[s.pair][1].device)
             for s, _, _ in self.copies
         ]
+
+
+@dataclass
+class _Wired:
+    """One loader call's copies composed with a piece layout: from the wire buffer straight into the parameters."""
+
+    layout: PieceLayout
+    srcs: list[View] | None
+    """Views of the wire buffer from its first byte; None: some copy cannot read the wire (load from the whole
+    layout instead)."""
+    dsts: list[torch.Tensor] = field(default_factory=list)
+    key: tuple[int, int] | None = None
+    """The wire buffer (storage address, byte offset) that `views` are of."""
+    views: list[torch.Tensor] = field(default_factory=list)
+
+
+def _compose(copies: Copies, layout: PieceLayout) -> _Wired:
+    """Split every copy of a loader call where the senders' rows meet, each part reading the wire where its sender's
+    rows of that tensor arrived (transport/pieces.py)."""
+    srcs, dsts = [], []
+    for source, base, dst in copies:
+        view = source.view
+        # the source's dims from the largest stride down (dims of one element last), the destination's alike
+        order = sorted(range(len(view.shape)), key=lambda d: (view.shape[d] == 1, -view.stride[d]))
+        shape = tuple(view.shape[d] for d in order)
+        stride, dst_stride = tuple(view.stride[d] for d in order), tuple(dst.stride[d] for d in order)
+        runs = layout.runs(source.pair, view.offset, shape, stride, view.dtype.itemsize)
+        if runs is None:
+            return _Wired(layout, None)
+        for first, end, at in runs:
+            part = (end - first, *shape[1:]) if shape else ()
+            srcs.append(View(at, part, stride if shape else (), view.dtype))
+            offset = dst.offset + (first * dst_stride[0] * view.dtype.itemsize if shape else 0)
+            dsts.append(
+                View(offset, part, dst_stride if shape else (), view.dtype).on(base.untyped_storage(), 0, base.device)
+            )
+    return _Wired(layout, srcs, dsts)
 
 
 class PlanMismatch(Exception):
@@ -85,11 +130,37 @@ class CopyPlan:
         disk or sleep mode may give a parameter new storage). About a microsecond per tensor."""
         return list(map(id, tensors)) == self.ids and list(map(torch.Tensor.data_ptr, self.dests)) == self.ptrs
 
-    def replay(self, k: int, pairs: Pairs) -> None:
-        """Call `k`'s copies from `pairs`; PlanMismatch if `pairs` are not the tensors it was recorded with."""
+    def _call(self, k: int) -> _CallPlan:
         if k >= len(self.calls):
             raise PlanMismatch(f"loader call {k + 1} but the plan has {len(self.calls)}")
-        call = self.calls[k]
+        return self.calls[k]
+
+    def replay_wire(self, k: int, names: tuple[str, ...], layout: PieceLayout, wire: torch.Tensor) -> bool:
+        """Call `k`'s copies straight from a bucket's wire buffer (several senders' pieces, not laid out whole):
+        `names` are the bucket's tensors, `layout` its piece layout. Returns False, copying nothing, when a copy
+        cannot be split where the senders' rows meet or reads another device (then lay the bucket out and `replay`);
+        PlanMismatch if the names are not the plan's."""
+        call = self._call(k)
+        if names != call.names:
+            raise PlanMismatch(f"loader call {k + 1} gets other tensors than the plan's ({len(names)} tensors)")
+        wired = call.wired
+        if wired is None or wired.layout != layout:
+            wired = call.wired = _compose(call.copies, layout)
+        if wired.srcs is None:
+            return False
+        key = (wire.untyped_storage().data_ptr(), byte_offset(wire))
+        if key != wired.key:
+            if any(d.device != wire.device for d in wired.dsts):
+                return False
+            wired.views = [v.on(wire.untyped_storage(), key[1], wire.device) for v in wired.srcs]
+            wired.key = key
+        if wired.dsts:
+            torch._foreach_copy_(wired.dsts, wired.views, non_blocking=True)
+        return True
+
+    def replay(self, k: int, pairs: Pairs) -> None:
+        """Call `k`'s copies from `pairs`; PlanMismatch if `pairs` are not the tensors it was recorded with."""
+        call = self._call(k)
         if pairs is not call.last:
             names = tuple(name for name, _ in pairs)
             if names != call.names:
@@ -121,6 +192,8 @@ class PlannedLoads:
         self.calls = 0
         self.replays = 0
         """Versions loaded by replaying a plan."""
+        self.wire_calls = 0
+        """Loader calls replayed straight from a bucket's wire buffer (`replay_wire`), over all versions."""
 
     def start(self, tensors: Callable[[], Iterable[torch.Tensor]]) -> bool:
         """A version begins; returns True when it will be replayed (else the loader runs, watched if still worth it).
@@ -156,6 +229,15 @@ class PlannedLoads:
         assert self.plan is not None
         self.plan.replay(self.calls, pairs)
         self.calls += 1
+
+    def replay_wire(self, names: tuple[str, ...], layout: PieceLayout, wire: torch.Tensor) -> bool:
+        """The next loader call's copies straight from a bucket's wire buffer (CopyPlan.replay_wire); False when
+        this bucket must be laid out whole and handed to `replay` (or the loader) instead."""
+        if self.plan is None or not self.plan.replay_wire(self.calls, names, layout, wire):
+            return False
+        self.calls += 1
+        self.wire_calls += 1
+        return True
 
     @contextmanager
     def call(self, pairs: Pairs) -> Iterator[None]:

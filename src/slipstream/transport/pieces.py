@@ -6,7 +6,8 @@ tensor's rows are its first-dim slices; a 0-d tensor is one row). On the wire a 
 piece 1, ...: each sender broadcasts its own piece as the root of its lane (transport/collective.py), into the same
 offsets on every receiver. Receivers then lay the tensors out whole (tensor after tensor, as one sender would have
 sent them) with one copy (a `torch.cat` of the wire's segments in the whole layout's order), and hand them on exactly
-as before. A `Bucket.rows` table (from
+as before; or, once the loads are a copy plan (transport/copy_plan.py), its copies read each sender's rows where they
+arrived on the wire (`PieceLayout.runs`), and no bucket is laid out. A `Bucket.rows` table (from
 the manifest) says how many rows of each tensor each sender holds.
 """
 
@@ -56,6 +57,38 @@ class PieceLayout:
         tensors laid out whole."""
         segments = wire.split(self.wire_sizes)
         return [segments[i] for i in self._wire_order]
+
+    def runs(
+        self, j: int, offset: int, shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int
+    ) -> list[tuple[int, int, int]] | None:
+        """Where a strided view of tensor j lies on the wire: the view is `offset` bytes from the tensor's first byte
+        once laid out whole, `shape` and `stride` (elements) with its largest stride first. Returns, per run of
+        indices along the view's first dim whose bytes one sender holds, (first index, end index, wire offset of the
+        run's first byte); None when some index's bytes straddle two senders (copy that view from the whole layout).
+        A 0-d view is one index."""
+        if not shape:
+            shape, stride = (1,), (0,)
+        inner = itemsize * (1 + sum((n - 1) * s for n, s in zip(shape[1:], stride[1:], strict=True)))
+        step = stride[0] * itemsize
+        runs, covered, start = [], 0, 0
+        for pieces in self.own:  # sender after sender
+            wire_at, size = pieces[j]
+            lo, hi = start, start + size  # this sender's rows of tensor j, laid out whole
+            start = hi
+            if not size:
+                continue
+            if step == 0:  # one index (size 1): the view's bytes lie with one sender or straddle
+                first, end = (0, 1) if lo <= offset and offset + inner <= hi else (0, 0)
+            else:
+                first = max(0, -(-(lo - offset) // step))
+                end = min(shape[0], (hi - inner - offset) // step + 1)
+            if end <= first:
+                continue
+            if first != covered:
+                return None
+            runs.append((first, end, wire_at + offset + first * step - lo))
+            covered = end
+        return runs if covered == shape[0] else None
 
     def reassemble(self, wire: torch.Tensor, whole: torch.Tensor) -> None:
         """Lay the tensors of `wire` out whole in `whole` (uint8, same size): one `torch.cat` into it. On CUDA its

@@ -11,10 +11,13 @@ import torch
 
 from slipstream.transport.bucket_receive import ReceiveBuffers, receive_buckets
 from slipstream.transport.collective import GroupInit, close_group, open_group, open_store
-from slipstream.transport.weight_stream import Manifest, iter_safetensors
+from slipstream.transport.weight_stream import Bucket, Manifest, iter_safetensors
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], object]
 """Loads one batch of (HF name, tensor) pairs into the model (vLLM: `model.load_weights`)."""
+
+DirectLoader = Callable[[Bucket, torch.Tensor], bool]
+"""Loads a bucket straight from its wire buffer (uint8, its piece layout) and returns True, or returns False."""
 
 FILE_BATCH_BYTES = 256 << 20
 """Tensors read from disk are handed to the loader in batches of about this many bytes."""
@@ -50,7 +53,8 @@ class WeightReceiver:
         self.group = None
         self.store = None
         self.buffers = ReceiveBuffers(device)
-        """Bucket buffers kept from one version to the next (2 of the largest bucket, 4 with several senders)."""
+        """Bucket buffers kept from one version to the next: 2 of the largest bucket (with several senders, 2 more
+        once a bucket has to be laid out whole)."""
 
     def join(self, init: GroupInit) -> None:
         """Join the sender's group of `init.session` (blocks until the sender and every receiver joined)."""
@@ -62,9 +66,10 @@ class WeightReceiver:
         self.group = open_group(self.store, init, rank, self.device)
         self.init = init
 
-    def receive(self, update_info: dict, load: Loader) -> ReceiveStats:
+    def receive(self, update_info: dict, load: Loader, direct: DirectLoader | None = None) -> ReceiveStats:
         """Take one version: `{"step": N, "path": folder}` reads the folder's safetensors; `{"step": N, "manifest":
-        {...}}` receives the manifest's buckets from the sender's broadcast."""
+        {...}}` receives the manifest's buckets from the sender's broadcast. `direct` may load a bucket of several
+        senders' pieces straight from its wire buffer (transport/bucket_receive.py); `load` gets every other one."""
         start = time.perf_counter()
         step = update_info.get("step") if isinstance(update_info, dict) else None
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -83,7 +88,7 @@ class WeightReceiver:
             manifest = Manifest.from_dict(update_info["manifest"])
             if manifest.step != step:
                 raise ValueError(f"update_info step {step} but its manifest is of step {manifest.step}")
-            for pairs in receive_buckets(self.group, manifest, self.device, self.buffers):
+            for pairs in receive_buckets(self.group, manifest, self.device, self.buffers, direct):
                 load(pairs)
             num_tensors, num_bytes = manifest.num_tensors, manifest.nbytes
             source = "broadcast"
