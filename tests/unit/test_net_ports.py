@@ -23,11 +23,26 @@ def test_ports_lie_below_the_ephemeral_range_and_the_block_is_free():
                 sock.close()
 
 
+def _taken_port_before_a_free_one() -> tuple[socket.socket, int]:
+    """A port held by a listening socket here, the port after it free: chosen below the ephemeral range (an
+    ephemeral port's neighbour may be any connection's; one run of the suite found it taken)."""
+    for _ in range(50):
+        port = net.free_port(count=2)
+        taken = socket.socket()
+        try:
+            taken.bind(("127.0.0.1", port))
+            taken.listen()
+        except OSError:  # taken meanwhile
+            taken.close()
+            continue
+        if net.ports_free("127.0.0.1", port + 1, 1):
+            return taken, port
+        taken.close()
+    pytest.fail("no port with a free neighbour below the ephemeral range in 50 tries")
+
+
 def test_a_taken_port_is_never_returned(monkeypatch):
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    port = taken.getsockname()[1]
+    taken, port = _taken_port_before_a_free_one()
     try:
         # the range holds exactly the taken port and the one after it: only the second can come back
         monkeypatch.setattr(net, "LOWEST_PORT", port)
