@@ -195,40 +195,16 @@ def test_a_malformed_update_info_is_a_value_error_before_anything_is_received(
     assert not loaded and any(word in str(e.value) for word in ("update_info", "manifest", "folder")), str(e.value)
 
 
+_GOOD_INIT = {"backend": "gloo", "master_addr": "h", "master_port": 1, "session": "s", "world_size": 2}
+"""A well-formed init_info; the examples below each break one field of it."""
+
+
 @FAST
 @given(init_info=st.dictionaries(st.sampled_from(list(GroupInit.__dataclass_fields__)), json_values))
-@example(init_info={"backend": "gloo", "master_addr": "h", "master_port": "x", "session": "s", "world_size": 2})
-@example(
-    init_info={
-        "backend": "gloo",
-        "master_addr": "h",
-        "master_port": 1,
-        "session": "s",
-        "world_size": 2,
-        "rank_offset": 5,
-    }
-)
-@example(
-    init_info={
-        "backend": "gloo",
-        "master_addr": "h",
-        "master_port": 1,
-        "session": "s",
-        "world_size": 2,
-        "timeout_s": math.inf,
-    }
-)
-@example(
-    init_info={
-        "backend": "gloo",
-        "master_addr": "h",
-        "master_port": 1,
-        "session": "s",
-        "world_size": 4,
-        "rank_offset": 2,
-        "senders": 3,
-    }
-)
+@example(init_info={**_GOOD_INIT, "master_port": "x"})
+@example(init_info={**_GOOD_INIT, "rank_offset": 5})
+@example(init_info={**_GOOD_INIT, "timeout_s": math.inf})
+@example(init_info={**_GOOD_INIT, "world_size": 4, "rank_offset": 2, "senders": 3})
 def test_a_malformed_init_info_is_refused_before_joining(init_info):
     """`master_port: "x"` used to pass and make the worker wait on a store it can never reach."""
     try:
