@@ -1,5 +1,6 @@
 """Slipstream's engine inside the real vLLM CPU build, three or four versions by broadcast (the model's weights
-halved, its own, halved again, and its own in other buckets) in buckets smaller than vLLM's layers:
+halved, its own, halved again, and its own in other buckets or after a parameter moved) in buckets smaller than
+vLLM's layers:
 - vLLM's layer-wise reload keeps the tensors a layer's loaders were given until the layer is complete, while the
   receiver reuses a bucket's buffer for the bucket after next: the engine copies what vLLM still keeps
   (transfer_engine.keep_deferred_loads). Without that the model's own weights came back wrong (log-probs off by 3.3).
@@ -64,11 +65,13 @@ def test_layers_that_keep_their_weights_are_replayed_and_other_buckets_replanned
 
 def test_two_senders_pieces_are_replayed_straight_from_the_wire(tiny_qwen3_dir):
     """Two trainer ranks each send their own rows (uneven: a third and two thirds) on their own lane: the first version
-    goes through vLLM's loaders (laid out whole), the next two replay the copy plan straight from the buffers the
+    goes through vLLM's loaders (laid out whole), the second replays the copy plan straight from the buffers the
     pieces arrived in (transport/copy_plan.py `replay_wire`): vLLM's fused q/k/v and gate/up parameters included,
-    bit for bit."""
-    result = _reload(tiny_qwen3_dir, "--unpacked", "--senders", "2")
+    bit for bit. Then vLLM gives a parameter new memory: the third version finds the plan stale at its first bucket,
+    goes through vLLM's loaders and records a new plan (replaying the old one would have written the old memory, and
+    the log-probs would not be the halved weights'), and the fourth replays the new plan from the wire."""
+    result = _reload(tiny_qwen3_dir, "--unpacked", "--senders", "2", "--moved")
     plans, buckets = result["plans"], result["buckets"]
-    assert [p["replays"] for p in plans] == [0, 1, 2], plans
-    assert [p["wire_calls"] for p in plans] == [0, buckets, 2 * buckets], plans
+    assert [p["replays"] for p in plans] == [0, 1, 1, 2], plans
+    assert [p["wire_calls"] for p in plans] == [0, buckets, buckets, 2 * buckets], plans
     assert all(p["copies"] == TENSORS and p["refused"] is None for p in plans), plans

@@ -15,7 +15,12 @@ weights in those buckets, follows.
 With `--senders 2`, two sender threads (two FSDP ranks in small) each broadcast their own rows of every tensor on
 their own lane (transport/pieces.py), uneven splits included.
 
-    python vllm_reload_script.py MODEL_DIR PORT BUCKET_BYTES [--unpacked] [--replan] [--senders 2]
+With `--moved`, vLLM gives one parameter new memory before the third version (as a reload from disk or sleep mode
+may): the copy plan no longer fits, which the engine finds at that version's first bucket, before copying anything;
+it loads the version through vLLM's loaders and records a new plan, which a fourth version (the model's own weights)
+replays.
+
+    python vllm_reload_script.py MODEL_DIR PORT BUCKET_BYTES [--unpacked] [--replan] [--moved] [--senders 2]
 """
 
 import json
@@ -66,6 +71,13 @@ def plan_state(worker) -> dict:
     }
 
 
+def move_a_parameter(worker) -> str:
+    """The worker's first parameter gets new memory with the same values; returns its name."""
+    name, param = next(iter(worker.weight_transfer_engine.model.named_parameters()))
+    param.data = param.data.clone()
+    return name
+
+
 def split_rows(manifest: Manifest) -> Manifest:
     """The same buckets sent by two ranks: sender 0 holds the first third of each tensor's rows (rounded up)."""
     buckets = []
@@ -89,7 +101,9 @@ def send_rows(lanes, rank: int, plan: Manifest, tensors: dict[str, torch.Tensor]
             work.wait()
 
 
-def main(model_dir: str, port: int, bucket_bytes: int, unpacked: bool, replan: bool, senders: int) -> None:
+def main(
+    model_dir: str, port: int, bucket_bytes: int, unpacked: bool, replan: bool, senders: int, moved: bool = False
+) -> None:
     from vllm import LLM, SamplingParams
 
     if unpacked:
@@ -106,6 +120,8 @@ def main(model_dir: str, port: int, bucket_bytes: int, unpacked: bool, replan: b
     if replan:
         larger = Manifest(1, tuple(plan_buckets(metas, bucket_bytes * 2)))
         versions, manifests = [*versions, weights], [manifest, manifest, larger, larger]
+    elif moved:
+        versions, manifests = [*versions, weights], [manifest] * 4
     if senders == 2:
         manifests = [split_rows(m) for m in manifests]
     init = GroupInit(
@@ -142,7 +158,9 @@ def main(model_dir: str, port: int, bucket_bytes: int, unpacked: bool, replan: b
         thread.start()
     llm.collective_rpc("init_weight_transfer_engine", args=(init.to_dict(),))
     after, plans, seconds = [], [], []
-    for plan in manifests:
+    for k, plan in enumerate(manifests):
+        if moved and k == 2:
+            llm.collective_rpc(move_a_parameter)
         start = time.perf_counter()
         llm.collective_rpc("start_weight_update")
         llm.collective_rpc("update_weights", args=({"step": 1, "manifest": plan.to_dict()},))
@@ -160,4 +178,7 @@ def main(model_dir: str, port: int, bucket_bytes: int, unpacked: bool, replan: b
 if __name__ == "__main__":
     flags = sys.argv[4:]
     senders = int(flags[flags.index("--senders") + 1]) if "--senders" in flags else 1
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "--unpacked" in flags, "--replan" in flags, senders)
+    main(
+        sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "--unpacked" in flags, "--replan" in flags, senders,
+        "--moved" in flags,
+    )  # fmt: skip

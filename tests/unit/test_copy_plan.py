@@ -253,13 +253,41 @@ def test_other_tensors_than_the_plans_are_a_mismatch():
 
 
 def test_a_plan_is_dropped_when_the_models_storage_changes():
+    """Checked at the version's first replay, not at its start (which comes before the first receives are queued):
+    the first bucket is then a mismatch, loaded by the loader and recorded anew, and nothing is copied before."""
     model = _model()
     loads = PlannedLoads()
     _run(loads, model, direct_loader(model), _weights(0))
     assert loads.plan is not None
+    old = model["qkv"]
     model["qkv"] = torch.zeros(12, H)  # vLLM re-allocated a parameter (a reload from disk, sleep mode)
-    assert not loads.start(lambda: model.values())
-    assert loads.recorder is not None
+    before = old.clone()
+    looked = []
+    assert loads.start(lambda: looked.append(1) or model.values())
+    assert not looked  # no pass over the model's tensors yet
+    buckets = _buckets(_weights(1), (3, 4, 10))
+    with pytest.raises(PlanMismatch, match="memory changed"):
+        loads.replay(buckets[0])
+    assert looked == [1] and torch.equal(old, before) and not model["qkv"].any()
+    loads.record_instead()
+    for pairs in buckets:
+        load_bucket(loads, direct_loader(model), pairs)
+    assert loads.end(model.values()) is not None  # a new plan, for the new storage
+    assert torch.equal(model["qkv"], _expected(direct_loader, _weights(1))["qkv"])
+    assert _run(loads, model, None, _weights(2))  # replayed into the new storage
+    assert torch.equal(model["qkv"], _expected(direct_loader, _weights(2))["qkv"])
+
+
+def test_the_fit_check_runs_once_per_version_at_its_first_replay():
+    model = _model()
+    loads = PlannedLoads()
+    _run(loads, model, direct_loader(model), _weights(0))
+    looked = []
+    assert loads.start(lambda: looked.append(1) or model.values())
+    for pairs in _buckets(_weights(1), (3, 4, 10)):
+        loads.replay(pairs)
+        assert looked == [1]
+    loads.end(model.values())
 
 
 def test_disabled_never_records():

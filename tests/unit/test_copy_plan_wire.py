@@ -110,6 +110,19 @@ def test_a_view_holding_two_senders_rows_in_one_index_is_laid_out_instead():
         del ROWS["x"], ROWS["y"]
 
 
+def test_a_moved_parameter_is_a_mismatch_before_anything_is_copied_from_the_wire():
+    model = _model()
+    loads = PlannedLoads()
+    _version(loads, model, direct_loader(model), _weights(0))
+    model["qkv"] = model["qkv"].clone()  # vLLM re-allocated a parameter (a reload from disk, sleep mode)
+    snapshot = {n: t.clone() for n, t in model.items()}
+    loads.start(lambda: model.values())
+    names, layout, wire, _ = _pieces(_weights(1))[0]
+    with pytest.raises(PlanMismatch, match="memory changed"):
+        loads.replay_wire(names, layout, wire)
+    assert all(torch.equal(model[n], t) for n, t in snapshot.items())
+
+
 def test_other_tensors_on_the_wire_are_a_mismatch():
     model = _model()
     loads = PlannedLoads()
