@@ -90,9 +90,7 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
                 self.loads.replay(pairs)
                 return
             except PlanMismatch as e:
-                self.loads.record_instead()  # only at a version's first bucket; later, the version fails
-                logger.info("slipstream weight transfer: %s; this version loads through vLLM", e)
-                self._load_through_vllm()
+                self._leave_plan(e)
         with self.loads.call(pairs):
             self.model.load_weights(pairs)
             copied = keep_deferred_loads(pairs)
@@ -109,12 +107,17 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
             if not self.loads.replay_wire(names, bucket.layout, wire):
                 return False
         except PlanMismatch as e:
-            self.loads.record_instead()  # only at a version's first bucket; later, the version fails
-            logger.info("slipstream weight transfer: %s; this version loads through vLLM", e)
-            self._load_through_vllm()
+            self._leave_plan(e)
             return False
         self._loaded.update(names)
         return True
+
+    def _leave_plan(self, mismatch: PlanMismatch) -> None:
+        """The copy plan does not fit this version: vLLM's loaders take it, watched (only at a version's first
+        bucket; later, `record_instead` raises and the version fails)."""
+        self.loads.record_instead()
+        logger.info("slipstream weight transfer: %s; this version loads through vLLM", mismatch)
+        self._load_through_vllm()
 
     def _load_through_vllm(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload

@@ -16,6 +16,9 @@ from slipstream.transport.collective import Lanes
 from slipstream.transport.pieces import concat
 from slipstream.transport.weight_stream import Bucket, Manifest, start_broadcast, start_pieces, unpack
 
+DirectLoader = Callable[[Bucket, torch.Tensor], bool]
+"""Loads a bucket straight from its wire buffer (uint8, its piece layout) and returns True, or returns False."""
+
 NUM_SLOTS = 2
 """Buckets in flight on a receiver: one being loaded while the next is received."""
 
@@ -85,7 +88,7 @@ def receive_buckets(
     manifest: Manifest,
     device: torch.device,
     buffers: ReceiveBuffers | None = None,
-    direct: "Callable[[Bucket, torch.Tensor], bool] | None" = None,
+    direct: DirectLoader | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yields each bucket's (name, tensor) views, in plan order. The next bucket is already being received while the
     caller loads this one, into the second of two buffers of the largest bucket's size; a bucket's views are valid

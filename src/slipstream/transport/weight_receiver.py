@@ -9,15 +9,12 @@ from pathlib import Path
 
 import torch
 
-from slipstream.transport.bucket_receive import ReceiveBuffers, receive_buckets
+from slipstream.transport.bucket_receive import DirectLoader, ReceiveBuffers, receive_buckets
 from slipstream.transport.collective import GroupInit, close_group, open_group, open_store
-from slipstream.transport.weight_stream import Bucket, Manifest, iter_safetensors
+from slipstream.transport.weight_stream import Manifest, iter_safetensors
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], object]
 """Loads one batch of (HF name, tensor) pairs into the model (vLLM: `model.load_weights`)."""
-
-DirectLoader = Callable[[Bucket, torch.Tensor], bool]
-"""Loads a bucket straight from its wire buffer (uint8, its piece layout) and returns True, or returns False."""
 
 FILE_BATCH_BYTES = 256 << 20
 """Tensors read from disk are handed to the loader in batches of about this many bytes."""
