@@ -3,6 +3,8 @@ model (whole, fused q/k/v slices, stacked experts, through temporaries that are 
 padding) is recorded once and replayed bit for bit on new data; anything else is refused and the loader keeps every
 version."""
 
+import struct
+
 import pytest
 import torch
 
@@ -307,3 +309,56 @@ def test_a_version_known_to_differ_is_loaded_by_the_loader_from_its_start():
     assert loads.expect(names)  # the same buckets: replayed
     assert not loads.expect([names[0] + names[1], *names[2:]])  # other buckets: the loader, watched
     assert loads.recorder is not None and not loads.replaying()
+
+
+def _freed_temporary_then_new_tensor(loads: PlannedLoads, model, new_tensor) -> None:
+    """One version whose loader copies `norm` into the model through a temporary, which is freed, and whose memory the
+    next allocation takes: `new_tensor(memory)` made after it (malloc reuses freed memory as it likes; here both come
+    from one buffer, so every time)."""
+    memory = bytearray(4 * H)
+    src = _weights(0)["norm"]
+    loads.start(lambda: model.values())
+    with loads.call([("norm", src)]):
+        temp = torch.frombuffer(memory, dtype=torch.float32)  # a layer materialised to load into
+        temp.copy_(src)
+        model["norm"].copy_(temp)
+        del temp  # the layer is complete: its temporary is freed
+    with loads.finish():
+        new_tensor(memory)
+    loads.end(model.values())
+
+
+def test_a_scalar_made_where_a_freed_received_temporary_was_is_no_kept_copy():
+    """Issue #39: vLLM's attention layers make `_k_scale_cpu = torch.tensor(1.0)` at finalize_layerwise_reload, which
+    the mode sees only as `aten.lift_fresh` (a view: the tensor is allocated before dispatch). When malloc gave it the
+    memory of a freed temporary that had held received bytes, the recorder (which knew storages by their address) took
+    the scale for a copy of received weights kept outside the model, and refused the plan: a flake, as whether malloc
+    reuses that memory depends on what ran before (the GC freeing the loaders' reference cycles, other threads)."""
+    model, layer = {"norm": torch.zeros(H)}, {}
+
+    def scale(memory):
+        kept = torch.frombuffer(memory, dtype=torch.float32, count=1).view(())
+        layer["_k_scale_cpu"] = torch.ops.aten.lift_fresh.default(kept)
+
+    loads = PlannedLoads()
+    _freed_temporary_then_new_tensor(loads, model, scale)
+    assert loads.refused is None and loads.plan is not None and loads.plan.num_copies == 1
+    assert _run(loads, model, None, {"norm": _weights(1)["norm"]}, sizes=(1,))
+    assert torch.equal(model["norm"], _weights(1)["norm"])
+
+
+def test_a_constant_made_where_a_freed_received_temporary_was_is_not_replayed_as_received():
+    """The same reuse without a refusal, worse: a loader that copies a constant made in the freed temporary's memory
+    (filled before dispatch, as `torch.tensor(list)` is) into a parameter must leave that constant to every replay, not
+    record a copy of the received bytes the memory held before."""
+    model = {"norm": torch.zeros(H), "pad": torch.zeros(H)}
+
+    def constant(memory):
+        memory[:] = struct.pack(f"{H}f", *[7.0] * H)  # filled before dispatch, as `torch.tensor(list)` is
+        model["pad"].copy_(torch.ops.aten.lift_fresh.default(torch.frombuffer(memory, dtype=torch.float32)))
+
+    loads = PlannedLoads()
+    _freed_temporary_then_new_tensor(loads, model, constant)
+    assert loads.refused is None and loads.plan.num_copies == 1
+    _run(loads, model, None, {"norm": _weights(1)["norm"]}, sizes=(1,))
+    assert torch.equal(model["norm"], _weights(1)["norm"]) and torch.equal(model["pad"], torch.full((H,), 7.0))

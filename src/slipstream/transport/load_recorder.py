@@ -1,7 +1,11 @@
 """Watching a receiver's weight loads (transport/copy_plan.py replays what this finds): a dispatch mode that follows
 every received byte through the loader's operations into the model's parameters, possibly through temporaries (as
 vLLM's layer-wise reload materialises a layer, then copies it into the kernel tensors), and refuses at the first step
-a replay of copies could not reproduce (copy_plan.py's docstring gives the rules)."""
+a replay of copies could not reproduce (copy_plan.py's docstring gives the rules).
+
+Storages are known by identity (`storage_key`), never by address: memory a freed temporary held is handed out again
+by malloc, also to tensors the mode never sees allocated (`torch.tensor(1.0)` dispatches only `aten.lift_fresh`, a
+view; a tensor of another thread), which an address would take for the temporary (issue #39)."""
 
 import gc
 import weakref
@@ -10,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -68,9 +73,11 @@ def _leaves(*trees) -> list[torch.Tensor]:
     return [x for x in tree_leaves(trees) if isinstance(x, torch.Tensor)]
 
 
-def storage_ptr(t: torch.Tensor) -> int:
-    """The address of the tensor's storage (its key in the recorder)."""
-    return t.untyped_storage().data_ptr()
+def storage_key(t: torch.Tensor) -> StorageWeakRef:
+    """The tensor's storage, by identity (its key in the recorder): a weak reference keeps the storage's record, not
+    its memory, so no later storage has this key while the recorder holds it. Its memory's address would not do: a
+    later tensor may be given it (above)."""
+    return StorageWeakRef(t.untyped_storage())
 
 
 def byte_offset(t: torch.Tensor) -> int:
@@ -113,14 +120,14 @@ class LoadRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[str, ...]] = []
-        self.inputs: dict[int, list[tuple[int, int, int, int]]] = {}
+        self.inputs: dict[StorageWeakRef, list[tuple[int, int, int, int]]] = {}
         """Storage -> spans (start, end, call, pair) of the tensors handed to the loader."""
-        self.writes: dict[int, list[_Write]] = {}
-        self.received: set[int] = set()
+        self.writes: dict[StorageWeakRef, list[_Write]] = {}
+        self.received: set[StorageWeakRef] = set()
         """Storages holding received bytes (apart from the inputs)."""
         self.sources: set[Received] = set()
         """Every received view that was copied anywhere: each must reach the model (see `compile`)."""
-        self.holders: list[tuple[weakref.ref, int]] = []
+        self.holders: list[tuple[weakref.ref, StorageWeakRef]] = []
         """Tensors that held received bytes, with their storage: alive after the version -> a derived copy."""
         self.refused: str | None = None
 
@@ -129,10 +136,10 @@ class LoadRecorder(TorchDispatchMode):
         """One loader call on `pairs`, watched."""
         k = len(self.calls)
         self.calls.append(tuple(name for name, _ in pairs))
-        spans: dict[int, list[tuple[int, int, int, int]]] = {}
+        spans: dict[StorageWeakRef, list[tuple[int, int, int, int]]] = {}
         for j, (_, t) in enumerate(pairs):
             if t.device.type != "meta":
-                spans.setdefault(storage_ptr(t), []).append((byte_offset(t), byte_offset(t) + _extent(t), k, j))
+                spans.setdefault(storage_key(t), []).append((byte_offset(t), byte_offset(t) + _extent(t), k, j))
         self.inputs.update({p: sorted(s) for p, s in spans.items()})  # a reused buffer: its new contents
         with self:
             yield
@@ -169,8 +176,6 @@ class LoadRecorder(TorchDispatchMode):
                 self._hold(t)
             return
         fresh = [t for t in outs if not any(t is w for w in _written(func, args, kwargs))]
-        for t in fresh:
-            self._forget(storage_ptr(t))  # a new allocation: whatever that memory held before is gone
         if func in _COPIES and len(fresh) == 1 and fresh[0].dtype == args[0].dtype:
             self._copy(fresh[0], args[0])
             return
@@ -184,29 +189,27 @@ class LoadRecorder(TorchDispatchMode):
             self._unreceived(t)
 
     def _is_received(self, t: torch.Tensor) -> bool:
-        return storage_ptr(t) in self.inputs or storage_ptr(t) in self.received
+        key = storage_key(t)
+        return key in self.inputs or key in self.received
 
     def _hold(self, t: torch.Tensor) -> None:
-        if storage_ptr(t) in self.received:
-            self.holders.append((weakref.ref(t), storage_ptr(t)))
-
-    def _forget(self, ptr: int) -> None:
-        self.writes.pop(ptr, None)
-        self.inputs.pop(ptr, None)
-        self.received.discard(ptr)
+        key = storage_key(t)
+        if key in self.received:
+            self.holders.append((weakref.ref(t), key))
 
     def _unreceived(self, dst: torch.Tensor) -> None:
-        if storage_ptr(dst) in self.inputs:
+        if storage_key(dst) in self.inputs:
             raise PlanRefused(f"the loader writes into a received tensor (shape {tuple(dst.shape)})")
         start = byte_offset(dst)
         self._record(dst, _Write(start, start + _extent(dst), None))
 
     def _record(self, dst: torch.Tensor, write: _Write) -> None:
-        self.writes.setdefault(storage_ptr(dst), []).append(write)
+        key = storage_key(dst)
+        self.writes.setdefault(key, []).append(write)
         if write.source is not None:
             self.sources.add(write.source)
-            self.received.add(storage_ptr(dst))
-            self.holders.append((weakref.ref(dst), storage_ptr(dst)))
+            self.received.add(key)
+            self.holders.append((weakref.ref(dst), key))
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if not self._is_received(src):
@@ -218,17 +221,17 @@ class LoadRecorder(TorchDispatchMode):
             )
         if not dst.is_contiguous():
             raise PlanRefused(f"received weights copied into a strided view {tuple(dst.shape)} {dst.stride()}")
-        if storage_ptr(dst) in self.inputs:
+        if storage_key(dst) in self.inputs:
             raise PlanRefused(f"the loader writes into a received tensor (shape {tuple(dst.shape)})")
         start = byte_offset(dst)
-        if storage_ptr(src) in self.inputs:
+        if storage_key(src) in self.inputs:
             self._record(dst, _Write(start, start + _extent(dst), self._locate(src)))
             return
         # a copy of a temporary that holds received bytes: follow them, byte for byte
         if not src.is_contiguous():
             raise PlanRefused(f"received weights copied out of a strided view {tuple(src.shape)} {src.stride()}")
         lo, hi, delta = byte_offset(src), byte_offset(src) + _extent(src), start - byte_offset(src)
-        followed = list(self.writes.get(storage_ptr(src), []))  # before the write below (dst may be src itself)
+        followed = list(self.writes.get(storage_key(src), []))  # before the write below (dst may be src itself)
         self._record(dst, _Write(start, start + _extent(dst), None))  # bytes not received, unless a write below
         for w in followed:
             if w.end <= lo or w.start >= hi:
@@ -240,7 +243,7 @@ class LoadRecorder(TorchDispatchMode):
     def _locate(self, src: torch.Tensor) -> Received:
         lo = byte_offset(src)
         hi = lo + _extent(src)
-        for start, end, call, pair in self.inputs[storage_ptr(src)]:
+        for start, end, call, pair in self.inputs[storage_key(src)]:
             if start <= lo and hi <= end:
                 view = View(lo - start, tuple(src.shape), tuple(src.stride()), src.dtype)
                 return Received(call, pair, view)
@@ -253,23 +256,23 @@ class LoadRecorder(TorchDispatchMode):
         raises PlanRefused."""
         if self.refused is not None:
             raise PlanRefused(self.refused)
-        kept = {}
+        kept: dict[StorageWeakRef, torch.Tensor] = {}
         for t in tensors:
             if t.device.type != "meta" and t.numel():
-                kept.setdefault(storage_ptr(t), t)
+                kept.setdefault(storage_key(t), t)
         gc.collect()  # temporaries of the loads freed through reference cycles
-        for ref, ptr in self.holders:
+        for ref, key in self.holders:
             t = ref()
-            if t is not None and ptr not in kept and storage_ptr(t) == ptr:
+            if t is not None and key not in kept and storage_key(t) == key:
                 raise PlanRefused(
                     f"a copy of received weights (shape {tuple(t.shape)}) is kept outside the model's parameters"
                 )
         copies: list[list[tuple[Received, torch.Tensor, View]]] = [[] for _ in self.calls]
-        for ptr, writes in self.writes.items():
-            if ptr not in kept:
+        for key, writes in self.writes.items():
+            if key not in kept:
                 continue
             for source, dst_view in _resolve(writes):
-                copies[source.call].append((source, kept[ptr], dst_view))
+                copies[source.call].append((source, kept[key], dst_view))
         planned = {source for c in copies for source, _, _ in c}
         lost = sorted(self.sources - planned, key=lambda s: (s.call, s.pair))
         if lost:  # copied into a temporary that no parameter got: consumed by something the mode cannot see
