@@ -3,7 +3,9 @@ three configs: the tiny fixture (top 4 keys per query), a feature-rich one (top 
 MoE layers interleaved, 2 shared experts, 4 expert groups of which 2 are kept, random selection bias), and a simple one
 (top-k larger than any row: dense MLA, tied head, one group, no renormalised top-k). The shared MoE-family checks
 (moe_family_helpers.py), plus: the top-k is active and never crosses a sample, the indexer gets no gradient (as in
-transformers), and the variants we do not model are refused at load."""
+transformers), and the variants we do not model are refused at load. Every config sets `indexer_rope_interleave`, as
+GLM-5's checkpoints do (transformers always interleaves the indexer's RoPE; without the flag we follow vLLM's half-split:
+test_glm_moe_dsa_sparse.py, with the tie rule; test_long_regime_parity.py: rows 2-8x the top-k)."""
 
 import dataclasses
 
@@ -22,7 +24,8 @@ from tests.unit.moe_family_helpers import MoEFamilyChecks, case_fixture, max_dif
 
 COMMON = dict(vocab_size=700, hidden_size=96, intermediate_size=160, max_position_embeddings=512, rms_norm_eps=1e-6,
               initializer_range=0.1, bos_token_id=None, eos_token_id=2, kv_lora_rank=24, q_lora_rank=40,
-              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, index_n_heads=32, index_head_dim=32)  # fmt: skip
+              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, index_n_heads=32, index_head_dim=32,
+              indexer_rope_interleave=True)  # fmt: skip
 
 
 def dsa_config(case: str = "sparse", **overrides) -> GlmMoeDsaConfig:
@@ -60,6 +63,7 @@ def test_configs_read_as_intended(model_dir):
     assert [sparse.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
     tiny = load_pretrained(model_dir("tiny")).args
     assert tiny.index_topk == 4 and [tiny.is_moe_layer(i) for i in range(3)] == [False, True, True]
+    assert sparse.indexer_rope_interleave and tiny.indexer_rope_interleave  # as GLM-5's config.json says
     simple = load_pretrained(model_dir("simple"))
     assert simple.lm_head is None and all(simple.args.is_moe_layer(i) for i in range(2))
 

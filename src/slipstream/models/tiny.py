@@ -100,8 +100,8 @@ def build_config(family: str, vocab_size: int, eos_token_id: int, pad_token_id: 
     minimax_m2 has MiniMax-M2's features: partial RoPE (rotary_dim 32 of 64), full-width q/k norm, sigmoid routing
     with a selection bias (random, as glm4_moe's), experts of width 64.
     glm_moe_dsa has GLM-5's: MLA (q rank 64, kv rank 32, 4 heads of 32 nope + 32 rope key dims and 64 value dims),
-    a DSA indexer (32 heads, GLM-5's count, of 32 dims) keeping each query's top 4 keys (sparse from the 5th token on,
-    even in the short samples of the distributed tests), glm4_moe's MoE.
+    a DSA indexer (32 heads, GLM-5's count, of 32 dims, interleaved RoPE as GLM-5's config says) keeping each query's
+    top 4 keys (sparse from the 5th token on, even in the short samples of the distributed tests), glm4_moe's MoE.
     qwen3_5_moe_text is Qwen3.5-MoE's text model (Hub checkpoints, type `qwen3_5_moe`, wrap it with a vision encoder)
     with Qwen3.5's hybrid layout: a Gated DeltaNet layer (2 key heads, 4 value heads of 32 dims, conv of 4 taps) then a
     gated full-attention layer (partial RoPE: 16 of 64 dims), each with an MoE of 8 experts (top 2) + a gated shared
@@ -162,7 +162,7 @@ def build_config(family: str, vocab_size: int, eos_token_id: int, pad_token_id: 
         moe = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1)
         routing = dict(n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
         mla = dict(q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64)
-        dsa = dict(index_topk=4, index_n_heads=32, index_head_dim=32)
+        dsa = dict(index_topk=4, index_n_heads=32, index_head_dim=32, indexer_rope_interleave=True)
         return GlmMoeDsaConfig(
             **common, **moe, **routing, **mla, **dsa, first_k_dense_replace=1, tie_word_embeddings=False
         )  # fmt: skip

@@ -18,6 +18,8 @@ class GlmMoeDsaArgs(Glm4MoeArgs):
 
     DSA: per layer an indexer (`index_n_heads` heads of `index_head_dim`, its own projections) scores every key of a
     query's sample; the query attends to its `index_topk` best keys only (all of them while the sample is shorter).
+    The indexer's RoPE is interleaved when the config says `indexer_rope_interleave` (GLM-5's checkpoints do), else
+    half-split (NeoX, DeepSeek-V3.2's): vLLM and SGLang read that flag; transformers 5.19 always interleaves.
 
     MoE as GLM-4.5 (Glm4MoeArgs): the layers `mlp_layer_types` marks "dense" have a SwiGLU of `intermediate_size`,
     the "sparse" ones the shared-expert MoE with sigmoid group-limited routing.
@@ -36,6 +38,8 @@ class GlmMoeDsaArgs(Glm4MoeArgs):
     """Keys each query attends to (at most)."""
     index_n_heads: int
     index_head_dim: int
+    indexer_rope_interleave: bool
+    """The indexer rotates interleaved pairs (True) or the two halves of its rope dims (False, the default of vLLM)."""
     mlp_layer_types: tuple[str, ...]
     """"dense" or "sparse" (MoE) per layer."""
 
@@ -63,6 +67,7 @@ class GlmMoeDsaArgs(Glm4MoeArgs):
             index_topk=cfg.index_topk,
             index_n_heads=cfg.index_n_heads,
             index_head_dim=cfg.index_head_dim,
+            indexer_rope_interleave=bool(getattr(cfg, "indexer_rope_interleave", False)),
             mlp_layer_types=tuple(cfg.mlp_layer_types),
         )
 

@@ -8,10 +8,15 @@ less than gathering H expanded heads), then every rank expands K/V for the whole
 against every key of their samples (the shard's mask from common/attention.py) and attends. The result is exact:
 each query sees exactly what it sees without cp.
 
-Ties: where several keys share the k-th best index score (relu can zero a key for every indexer head; a zero query,
-such as a padding token's zero embedding gives, ties every key), the earliest keys are kept (a stable sort): the same
-choice however the sample is packed or sharded. transformers' topk leaves that choice to the kernel, so it may differ
-from ours exactly there (the tests avoid such inputs).
+Ties: where keys share the k-th best index score (relu zeroes a key for every indexer head, so with few heads or
+negative head weights many keys score exactly 0, often the best score of a query), the earliest keys are kept: vLLM's
+one explicit rule (its context-parallel top-k merge ranks by score, then by the lower token index), and the only rule
+that keeps the same choice however the sample is packed or sharded. transformers' `topk` picks among equal scores as
+its kernel happens to (on CPU: a quickselect), so it differs exactly there; tests/unit/test_glm_moe_dsa_sparse.py
+shows both and checks ours against transformers with the rule above.
+
+Indexer RoPE: interleaved pairs when the config sets `indexer_rope_interleave` (GLM-5's checkpoints), else the two
+halves (NeoX, DeepSeek-V3.2's indexer): what vLLM serves. transformers 5.19 interleaves whatever the config says.
 
 Training: the indexer runs without gradient, as in transformers (`@torch.no_grad`) and in DeepSeek-V3.2, where the
 language-model loss never reaches it (its input is detached; its own KL loss against the attention distribution
@@ -33,7 +38,7 @@ from torch import Tensor, nn
 
 from slipstream.models.common.attention import AttentionLayout, build_packed_causal_mask
 from slipstream.models.common.norm import RMSNorm
-from slipstream.models.common.rope import apply_rope_interleaved
+from slipstream.models.common.rope import apply_rope, apply_rope_interleaved
 from slipstream.models.glm_moe_dsa.args import GlmMoeDsaArgs
 
 LATENT_NORM_EPS = 1e-6
@@ -45,13 +50,15 @@ that torch.compile unrolls: T = 16384 with 32 indexer heads takes 32 chunks)."""
 
 class DsaIndexer(nn.Module):
     """DSA's lightning indexer (transformers' GlmMoeDsaIndexer): J heads of queries from the query bottleneck
-    (`wq_b`), one key per token (`wk`, LayerNorm `k_norm`), both with interleaved RoPE on their first R dims; a key's
-    score for a query is sum_j w_j * relu(q_j . k / sqrt(I)), w = `weights_proj`(x) / sqrt(J)."""
+    (`wq_b`), one key per token (`wk`, LayerNorm `k_norm`), both with RoPE on their first R dims (interleaved or
+    half-split, see the module docstring); a key's score for a query is sum_j w_j * relu(q_j . k / sqrt(I)),
+    w = `weights_proj`(x) / sqrt(J)."""
 
     def __init__(self, args: GlmMoeDsaArgs):
         super().__init__()
         self.num_heads, self.head_dim, self.top_k = args.index_n_heads, args.index_head_dim, args.index_topk
         self.rope_dim = args.qk_rope_head_dim
+        self.rotate = apply_rope_interleaved if args.indexer_rope_interleave else apply_rope
         self.wq_b = nn.Linear(args.q_lora_rank, self.num_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=LATENT_NORM_EPS)
@@ -59,7 +66,7 @@ class DsaIndexer(nn.Module):
 
     def _rope(self, x_BTJI: Tensor, cos_BTR: Tensor, sin_BTR: Tensor) -> Tensor:
         x_rot, x_pass = x_BTJI.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
-        return torch.cat((apply_rope_interleaved(x_rot, cos_BTR, sin_BTR), x_pass), dim=-1)
+        return torch.cat((self.rotate(x_rot, cos_BTR, sin_BTR), x_pass), dim=-1)
 
     def keys(self, x_BtD: Tensor, cos_BtR: Tensor, sin_BtR: Tensor) -> Tensor:
         """k_BtI: the indexer's key of each token (no gradient)."""
@@ -87,8 +94,8 @@ class DsaIndexer(nn.Module):
                 scores_BcJT = torch.matmul(q_BtJI[:, rows], k_BIT.unsqueeze(1)) * self.head_dim**-0.5
                 index_BcT = torch.matmul(w_BtJ[:, rows].unsqueeze(-2), scores_BcJT.relu()).squeeze(-2)
                 index_BcT = index_BcT.masked_fill(~mask_BtT[:, rows], float("-inf"))
-                # A stable sort, not topk: among keys of EQUAL score (relu zeroes whole keys) the earlier key wins, a
-                # rule that does not depend on where the sample sits in the row (topk's choice among ties does).
+                # A stable sort, not topk: among keys of EQUAL score (relu zeroes whole keys) the earlier key wins, as
+                # in vLLM's merge, a rule that does not depend on where the sample sits in the row (topk's does).
                 top_BcA = index_BcT.sort(dim=-1, descending=True, stable=True).indices[..., : self.top_k]
                 keep.append(torch.zeros_like(mask_BtT[:, rows]).scatter_(-1, top_BcA, True))
             return torch.cat(keep, dim=1) & mask_BtT
