@@ -15,10 +15,11 @@ import httpx
 import pytest
 
 from slipstream.config.inference import InferenceConfig
+from slipstream.config.orchestrator import WeightCheckConfig
 from slipstream.envs.base import Task
 from slipstream.inference.deployment import router_argv
 from slipstream.orchestrator.client import InferenceClient
-from slipstream.orchestrator.weights import verify_weights
+from slipstream.orchestrator.weight_check import WeightChecker
 from slipstream.rollout.turns import TurnProgress, TurnRequester
 from slipstream.rundir import RunDir
 from slipstream.utils.net import free_port
@@ -139,7 +140,8 @@ def test_consistent_hash_keeps_rollouts_on_one_engine_and_admin_calls_reach_ever
             assert load.prefix_cache_reset
             assert [s.engine.version for s in deployment.servers] == [step, step]
             assert [s.num_prefix_cache_resets for s in deployment.servers] == [1, 1]
-            check = await verify_weights(client, out, step, max_abs_diff=1e-6)
+            checker = WeightChecker(client, out, WeightCheckConfig(max_abs_diff=1e-6), 1e-6)
+            check = await checker.verify(step, previous_version=None)
             assert check["passed"] and check["num_engines"] == 2
             assert [sum(r.endpoint == "completions" for r in s.engine.records) for s in deployment.servers] == [1, 1]
             await _play(client, deployment, 0)  # after the update: new requests served at the new version

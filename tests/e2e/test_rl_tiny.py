@@ -96,7 +96,13 @@ def test_three_steps_with_verified_weight_updates(tiny_model_factory, tmp_path, 
         line = rf"^\d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{{3}}Z INFO \[{role}\] step 3/3 \| reward "
         assert re.search(line, log, re.M), log[-3000:]
 
-    checks = _read_jsonl(out / "weight_checks.jsonl")
+    records = _read_jsonl(out / "weight_checks.jsonl")
+    checks = [c for c in records if c["kind"] == "update"]
+    # the noise floor, measured once on identical weights before a load (before the first, unless its probe was
+    # skipped), is carried by every later check
+    (floor,) = [c for c in records if c["kind"] == "calibration"]
+    assert floor["step"] in {0, *(c["step"] for c in checks)} and floor["max_abs_diff"] < LOGPROB_TOLERANCE, floor
+    assert all(c["floor_max"] == floor["max_abs_diff"] for c in checks if c["step"] > floor["step"]), checks
     steps = [c["step"] for c in checks]
     # the orchestrator loads the newest published weights (it may skip one: a fast trainer can publish step 2 before
     # step 1 is loaded), and ends serving the final policy

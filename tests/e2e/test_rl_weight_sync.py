@@ -1,5 +1,5 @@
-"""Weight updates on real vLLM: a load that silently does nothing (a frozen policy) is caught by the probe
-verification and stops the run."""
+"""Weight updates on real vLLM: a load that silently does nothing (a frozen policy), drops a layer or swaps two is
+caught by the calibrated probe verification and stops the run."""
 
 import json
 import subprocess
@@ -32,16 +32,23 @@ def _wait_gone(marker: str) -> list[int]:
     return processes_with_marker(marker)
 
 
-def test_a_load_that_does_nothing_stops_the_run(tiny_qwen3_dir, tmp_path, run_env):
+@pytest.mark.parametrize("sabotage", ["frozen", "skip_layer", "swap_layers"])
+def test_a_broken_load_stops_the_run(sabotage, tiny_qwen3_dir, tmp_path, run_env):
+    """A load that does nothing, one that drops a layer, one that swaps two layers: each is caught by the calibrated
+    check (the floor measured before the first load) and stops the run (tests/e2e/sabotage_ext.py)."""
     marker, env = run_env
-    env = {**env, "PYTHONPATH": f"{REPO_ROOT}:{env.get('PYTHONPATH', '')}"}
+    env = {**env, "PYTHONPATH": f"{REPO_ROOT}:{env.get('PYTHONPATH', '')}", "SLIPSTREAM_SABOTAGE": sabotage}
     out = tmp_path / "run"
-    config = tiny_rl_config(tiny_qwen3_dir, out, max_steps=4)
+    config = tiny_rl_config(tiny_qwen3_dir, out, max_steps=3)
+    del config["orchestrator"]["weight_check"]  # calibrated: judged against the floor, not a fixed bound
     config["inference"]["extra_args"] = ["--worker-extension-cls", "tests.e2e.sabotage_ext.FrozenWeightLoader"]
     proc = _run(write_config(tmp_path / "rl.toml", config), env, timeout=600)
     assert proc.returncode != 0
     assert "orchestrator exited with code 1" in proc.stderr, proc.stderr
     assert "did not take effect on inference (policy frozen or corrupted)" in proc.stderr
-    check = json.loads((out / "weight_checks.jsonl").read_text().splitlines()[0])
-    assert not check["passed"] and check["max_abs_diff"] > 1e-3
+    calibration, check = [json.loads(line) for line in (out / "weight_checks.jsonl").read_text().splitlines()]
+    assert calibration["kind"] == "calibration" and calibration["step"] == 0
+    assert calibration["max_abs_diff"] < 1e-4  # float32: trainer and vLLM agree on identical weights
+    assert check["kind"] == "update" and check["step"] == 1 and not check["passed"]
+    assert check["max_abs_diff"] > check["allowed"] == 1e-3  # float32's tolerance: above 3 x the floor
     assert _wait_gone(marker) == []

@@ -96,7 +96,7 @@ def test_gloo_transfer_through_vllm_survives_a_kill_mid_transfer(tiny_qwen3_dir,
     trainer_log = (out / "logs" / "trainer.log").read_text()
     assert f"sending the weights of step {frozen} failed" in trainer_log
 
-    checks = _read_jsonl(out / "weight_checks.jsonl")
+    checks = [c for c in _read_jsonl(out / "weight_checks.jsonl") if c["kind"] == "update"]  # not the calibration
     assert all(c["passed"] for c in checks), checks
     # as exact as through files (test_rl_tiny: float32 on both sides): far inside the 1e-3 tolerance
     assert max(c["max_abs_diff"] for c in checks) < 1e-4, checks

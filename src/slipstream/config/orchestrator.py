@@ -76,8 +76,22 @@ class WeightCheckConfig(BaseConfig):
     """Score the trainer's probe on inference after each weight load and compare."""
 
     max_abs_diff: float | None = Field(None, gt=0.0)
-    """Largest allowed |trainer - inference| log-prob difference on probe tokens. Default: 1e-3 for float32
-    models, 5e-2 for bfloat16 (different kernels round differently at bf16)."""
+    """Largest allowed |trainer - inference| log-prob difference on probe tokens, fixed. Unset: the larger of the
+    dtype's tolerance (1e-3 for float32 models, 5e-2 for bfloat16: kernels round differently) and `floor_factor` x the
+    floor measured by `calibrate`."""
+
+    calibrate: bool = True
+    """Before the first load, score the trainer's log-probs of the weights inference serves on inference: the
+    difference on identical weights is the noise floor later loads are judged against (full-model updates; LoRA
+    adapters keep the dtype's tolerance)."""
+
+    floor_factor: float = Field(3.0, ge=1.0)
+    """Loads may differ by this many times the floor's max; and a load counts as not taken when the trainer's policy
+    moved by more than this many times the floor's mean while inference stayed closer to the previous version."""
+
+    max_floor: float = Field(1.0, gt=0.0)
+    """The largest floor accepted: above it trainer and inference disagree before any update (another model, revision
+    or dtype), which the run stops on (see stop_on_failure)."""
 
     stop_on_failure: bool = True
     """Stop the run when a check fails: a frozen or corrupted policy must not train silently."""

@@ -13,6 +13,7 @@ from slipstream.config.inference import InferenceConfig
 from slipstream.inference.admin_token import ensure_admin_token
 from slipstream.inference.options import setup_mooncake_config
 from slipstream.inference.server import build_vllm_argv, build_vllm_env
+from slipstream.inference.vllm_support import check_vllm
 from slipstream.launch.plan import ProcessSpec
 from slipstream.launch.supervisor import ChildFailed, Supervisor, tail
 
@@ -38,6 +39,7 @@ def serve_model(config: InferenceConfig, model_path: Path, log_path: Path, timeo
 
     The server and every process below it are stopped on exit, including on errors, Ctrl-C and SIGTERM.
     """
+    check_vllm()
     argv = build_eval_server_argv(config, model_path)
     ensure_admin_token()  # the server requires one; this process's InferenceClient sends it
     env = {**build_vllm_env(config, base={}), **setup_mooncake_config(config)}

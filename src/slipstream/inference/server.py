@@ -118,6 +118,7 @@ def _has_cuda() -> bool:
 def run_inference(config: InferenceConfig) -> int:
     """Resolve the model folder and replace this process with the vLLM server."""
     from slipstream.inference.admin_token import TOKEN_ENV
+    from slipstream.inference.vllm_support import UnsupportedVLLM, check_vllm
     from slipstream.models.resolve import resolve_model_config
     from slipstream.monitor.logs import setup_logging
 
@@ -128,6 +129,11 @@ def run_inference(config: InferenceConfig) -> int:
             "it guards the weight-loading and pause endpoints. `slipstream rl` sets it for you.",
             file=sys.stderr,
         )
+        return 2
+    try:
+        check_vllm()
+    except UnsupportedVLLM as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     model_path = resolve_model_config(config.model)
     check_lora_servable(config, model_path)

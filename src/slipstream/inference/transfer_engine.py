@@ -16,6 +16,7 @@ replay off.
 
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -25,10 +26,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from slipstream.transport.bucket_assembly import BucketAssembler
 from slipstream.transport.collective import GroupInit
 from slipstream.transport.copy_plan import PlanMismatch, PlannedLoads
 from slipstream.transport.weight_receiver import WeightReceiver
-from slipstream.transport.weight_stream import Bucket, Manifest
+from slipstream.transport.weight_stream import BroadcastSink, Bucket, Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +143,25 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
 
     def shutdown(self) -> None:
         self.receiver.shutdown()
+
+    @staticmethod
+    def trainer_send_weights(iterator: Iterator[tuple[str, torch.Tensor]], trainer_args: dict[str, Any]) -> None:
+        """vLLM's trainer-side hook (abstract on the engine up to vLLM 0.26; later releases moved the trainer side
+        to a class of its own). Slipstream's trainer sends through trainer/publish.py, which also shards, pipelines
+        and offers versions; this is the plain form for a caller of vLLM's API: broadcast `iterator`'s (HF name,
+        tensor) pairs from rank 0 of `trainer_args["group"]` (a torch ProcessGroup the receivers joined through
+        /init_weight_transfer_engine) in the buckets of `trainer_args["manifest"]` (a Manifest or its dict, the one
+        given to /update_weights), cast to each bucket's dtype. Raises if the pairs disagree with the manifest."""
+        manifest = trainer_args["manifest"]
+        if isinstance(manifest, dict):
+            manifest = Manifest.from_dict(manifest)
+        if any(bucket.senders != 1 for bucket in manifest.buckets):
+            raise ValueError("trainer_send_weights sends whole buckets from one rank: the manifest has pieces")
+        device = torch.device(trainer_args.get("device", "cpu"))
+        assembler = BucketAssembler(list(manifest.buckets), [BroadcastSink(trainer_args["group"], device)])
+        for name, tensor in iterator:
+            assembler.add(name, tensor.detach())
+        assembler.finish()
 
 
 COPY_PLAN_ENV = "SLIPSTREAM_WEIGHT_COPY_PLAN"

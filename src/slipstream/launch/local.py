@@ -13,6 +13,7 @@ from pathlib import Path
 from slipstream.config.base import ConfigError
 from slipstream.config.rl import RLConfig
 from slipstream.inference.admin_token import ensure_admin_token
+from slipstream.inference.vllm_support import check_vllm
 from slipstream.launch.models import resolve_run_model
 from slipstream.launch.placement import detect_visible_gpus
 from slipstream.launch.plan import ProcessSpec, build_plan, resolve_config, write_configs
@@ -101,7 +102,10 @@ def _run_locked(config: RLConfig, run: RunDir) -> int:
 
 def resolve_node_config(config: RLConfig) -> tuple[RLConfig, list[int]]:
     """What this node runs: resume prepared (where the trainer runs), the model resolved once for every process
-    (a Hub id is downloaded here, before any child starts), and the deployment placed on the visible GPUs."""
+    (a Hub id is downloaded here, before any child starts), and the deployment placed on the visible GPUs. Where this
+    node starts vLLM, its release is checked first (inference/vllm_support.py)."""
+    if "inference" in config.deployment.run:
+        check_vllm()
     if "trainer" in config.deployment.run:
         config = prepare_resume_run(config)
     config = resolve_run_model(config)

@@ -103,7 +103,9 @@ def build_panels(
     kl = metric_series(metrics, "mismatch_kl", "mismatch_kl")
     validation = metric_series(metrics, "val/loss", "validation (SFT)")
     validation.markers, validation.color = True, "C1"
-    sync = metric_series(weight_checks, "max_abs_diff", "max |trainer - inference| log-prob")
+    loads = [c for c in weight_checks if c.get("kind", "update") == "update"]  # not the calibration (noise floor)
+    sync = metric_series(loads, "max_abs_diff", "max |trainer - inference| log-prob")
+    allowed = metric_series(loads, "allowed", "allowed (calibrated)")
     candidates = [
         Panel("reward", "Reward (train ± std, held-out ± stderr)", "reward",
               [metric_series(metrics, "reward/mean", "train", "reward/std"), *eval_series]),
@@ -115,7 +117,7 @@ def build_panels(
         ]),
         Panel("loss", "Loss", "loss", [metric_series(metrics, "loss", "loss"), validation]),
         Panel("grad_norm", "Gradient norm (before clipping)", "norm", [metric_series(metrics, "grad_norm", "grad_norm")]),
-        Panel("weight_sync", "Weight-sync check", "max abs diff", [sync], log_y=_all_positive(sync)),
+        Panel("weight_sync", "Weight-sync check", "max abs diff", [sync, allowed], log_y=_all_positive(sync)),
     ]  # fmt: skip
     panels = []
     for panel in candidates:

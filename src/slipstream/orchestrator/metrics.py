@@ -26,6 +26,7 @@ def rollout_metrics(step: int, rollouts: Sequence[Rollout], num_zero_adv_groups:
         "reward/max": float(rewards.max()),
         "seq_len/mean": float(seq_lens.mean()),
         "completion_len/mean": float(completion_lens.mean()),
+        "batch/completion_tokens": float(completion_lens.sum()),
         "policy/version": float(newest),
         "policy/version_oldest": float(oldest),
         "policy/version_newest": float(newest),

@@ -124,6 +124,7 @@ class RolloutPipeline:
             "timing/wait_weights_s": gated - start,
             "timing/generate_s": time.perf_counter() - gated,
             "timing/weight_update_s": 0.0,
+            "timing/weight_pause_s": 0.0,
             **self.relay.take_metrics(),
             **self.counters(),
             **(self.evaluator.take_metrics() if self.evaluator is not None else {}),

@@ -14,31 +14,23 @@ the served version again on the server that answers, verifies it with the probe,
 """
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import numpy as np
-
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.orchestrator.client import InferenceClient
+from slipstream.orchestrator.weight_check import WeightChecker, WeightSyncError, failure_message
 from slipstream.orchestrator.weight_loads import WeightLoader
 from slipstream.rollout.client import InferenceUnavailable
-from slipstream.rollout.record import cache_salt
 from slipstream.rundir import RunDir, prune_weights, step_dirs, weights_to_keep
 from slipstream.transport.checkpoints import committed_run_steps, resume_weight_steps
 from slipstream.transport.weight_offers import latest_available_step, wait_for_available
-from slipstream.transport.weights import is_ready, read_probe
-from slipstream.utils.fs import append_line
+from slipstream.transport.weights import is_ready
 
 log = logging.getLogger(__name__)
-
-
-class WeightSyncError(RuntimeError):
-    """Inference log-probs disagree with the trainer's after a weight update."""
 
 
 class WeightRelay:
@@ -56,6 +48,10 @@ class WeightRelay:
         self.served_version = served_version
         lora_name = config.model.lora.name if config.model.lora is not None else None
         self.loader = WeightLoader(client, self.output_dir, config.weights, lora_name=lora_name)
+        # LoRA adapters are scored one position at a time (see InferenceClient.score_tokens_per_position)
+        self.checker = WeightChecker(
+            client, self.output_dir, config.weight_check, config.weight_check_tolerance, lora_name is not None
+        )
         self.updating = False
         self.on_change: Callable[[], None] = lambda: None
         self.pending_metrics: dict[str, float] = {}
@@ -215,16 +211,20 @@ class WeightRelay:
             if not self.client.available:
                 raise InferenceUnavailable(f"inference is unavailable ({self.client.unavailable_reason})")
             start = time.perf_counter()
+            previous = self.served_version
+            await self.checker.maybe_calibrate(version, previous)  # inference still serves `previous`
             self.updating = True
             self.on_change()
             try:
                 load = await self.loader.load(version, before_resume=lambda: self._serve(version))
-                check = await self._verify(version)
+                check = await self._verify(version, previous)
             finally:
                 self.updating = False
                 self.on_change()
         m = self.pending_metrics
         m["timing/weight_update_s"] = m.get("timing/weight_update_s", 0.0) + time.perf_counter() - start
+        # what in-flight requests waited: the pause until the resume (new ones also wait for the check)
+        m["timing/weight_pause_s"] = m.get("timing/weight_pause_s", 0.0) + load.seconds
         m["weights/num_updates"] = m.get("weights/num_updates", 0.0) + 1
         m["weights/prefix_cache_reset"] = min(m.get("weights/prefix_cache_reset", 1.0), float(load.prefix_cache_reset))
         if check is not None:
@@ -267,67 +267,17 @@ class WeightRelay:
             except InferenceUnavailable:
                 continue  # recover, then load again
 
-    async def _verify(self, version: int, after_restart: bool = False) -> float | None:
-        """Check the load if `weight_check.enabled`; return the probe's max |diff| (None when disabled)."""
+    async def _verify(
+        self, version: int, previous_version: int | None = None, after_restart: bool = False
+    ) -> float | None:
+        """Check the load if `weight_check.enabled` (orchestrator/weight_check.py); return the probe's max |diff|
+        (None when disabled). `previous_version`: what inference served before this load."""
         if not self.config.weight_check.enabled:
             return None
-        tolerance = self.config.weight_check_tolerance
-        per_position = self.loader.lora_name is not None  # see InferenceClient.score_tokens_per_position
-        check = await verify_weights(self.client, self.output_dir, version, tolerance, after_restart, per_position)
+        check = await self.checker.verify(version, previous_version, after_restart)
         if not check["passed"]:
-            message = (
-                f"weight update to step {version} did not take effect on inference (policy frozen or corrupted): "
-                f"probe log-probs differ by max {check['max_abs_diff']:.3g} (mean {check['mean_abs_diff']:.3g}) "
-                f"over {check['num_tokens']} tokens, allowed {self.config.weight_check_tolerance:.3g} "
-                f"(orchestrator.weight_check.max_abs_diff); details in {RunDir(self.output_dir).weight_checks_path}"
-            )
+            message = failure_message(check, self.output_dir)
             if self.config.weight_check.stop_on_failure:
                 raise WeightSyncError(message)
             log.warning(message)
         return check["max_abs_diff"]
-
-
-async def verify_weights(
-    client: InferenceClient,
-    output_dir: Path,
-    step: int,
-    max_abs_diff: float,
-    after_restart: bool = False,
-    per_position: bool = False,
-) -> dict:
-    """Score the trainer's probe of `step` on inference (on every engine behind a router; the worst one is kept),
-    append the comparison to weight_checks.jsonl, return it.
-    `after_restart`: the check of a reload after inference was lost (recorded in the line).
-    `per_position`: score without prompt log-probs, one forced token per request (LoRA adapters need it)."""
-    probe_path = RunDir(output_dir).probe_path(step)
-    if not probe_path.exists():
-        raise FileNotFoundError(
-            f"{probe_path} is missing, so the weight update cannot be verified; "
-            "the trainer must publish a probe, or set orchestrator.weight_check.enabled = false"
-        )
-    probe = read_probe(output_dir, step)
-    token_ids, expected = list(probe["token_ids"]), [float(x) for x in probe["logprobs"]]
-    if len(expected) != len(token_ids) - 1 or not expected:
-        raise ValueError(f"{probe_path}: needs len(logprobs) == len(token_ids) - 1 > 0")
-    worst: tuple[float, float, list[float], str] | None = None
-    for engine in client.admin_clients:  # behind a router: every engine, each must have taken the update
-        score = engine.score_tokens_per_position if per_position else engine.score_tokens
-        got = await score(token_ids, cache_salt(step))
-        diff = np.abs(np.asarray(got) - np.asarray(expected))
-        if worst is None or float(diff.max()) > worst[0]:
-            worst = (float(diff.max()), float(diff.mean()), got, engine.base_url)
-    assert worst is not None
-    check = {
-        "step": step,
-        "max_abs_diff": worst[0],
-        "mean_abs_diff": worst[1],
-        "num_tokens": len(expected),
-        "passed": bool(worst[0] <= max_abs_diff),
-        "after_restart": after_restart,
-        "scoring": "per_position" if per_position else "prompt_logprobs",
-        "inference_logprobs": worst[2],
-        "num_engines": len(client.admin_clients),
-        "worst_engine": worst[3],
-    }
-    append_line(RunDir(output_dir).weight_checks_path, json.dumps(check))
-    return check

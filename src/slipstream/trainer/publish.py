@@ -82,6 +82,8 @@ class WeightPublisher:
         self.group = None
         self.session: str | None = None
         self.refused: set[str] = set()
+        self.previous: tuple[int, list[float]] | None = None
+        """(version, probe log-probs) of the last version published or noted (note_start_probe)."""
         if self.transport in ("nccl", "gloo") and trainer.info.is_main:
             w = config.weights
             port = w.store_port("the trainer's weight transfer")
@@ -108,10 +110,21 @@ class WeightPublisher:
     def is_main(self) -> bool:
         return self.trainer.info.is_main
 
+    def note_start_probe(self) -> None:
+        """Probe the weights inference starts with (the initial model, or the checkpoint resumed from; a collective
+        with several ranks): the next version's probe carries them as `previous_logprobs`, so the orchestrator can
+        measure trainer-vs-inference on identical weights before loading it (the check's noise floor) and catch a
+        load that left the old policy in place. Not for LoRA adapters (inference serves no adapter at the start)."""
+        if self.lora is None:
+            self.previous = (self.trainer.start_step, probe_logprobs(self.trainer)["logprobs"])
+
     def publish(self, step: int) -> dict[str, float]:
         """Publish version `step`; returns metrics (bytes, seconds, attempts)."""
         start = time.perf_counter()
         probe = probe_logprobs(self.trainer)
+        if self.previous is not None:  # the version before, on the same tokens (orchestrator/weight_check.py)
+            probe |= {"previous_step": self.previous[0], "previous_logprobs": self.previous[1]}
+            self.previous = (step, probe["logprobs"])
         stream = self.stream
         if self.pieces is not None and self.transport != "filesystem":
             manifest = self.pieces.manifest(step)

@@ -37,6 +37,7 @@ def run_trainer(config: TrainerConfig) -> None:
     publisher = WeightPublisher(trainer, config, adapters=True)
     monitors = Monitors(config, "trainer") if trainer.info.is_main else None
     try:
+        publisher.note_start_probe()
         writer = MetricsWriter(config.output_dir) if trainer.info.is_main else None
         nonfinite = NonFiniteGuard(config.max_nonfinite_steps)
         for step in range(trainer.start_step + 1, config.max_steps + 1):

@@ -1,0 +1,216 @@
+"""The RL loop measured on 2 GPUs with real vLLM: `slipstream rl` (vLLM on GPU 0, the trainer on GPU 1, NCCL weight
+updates) on reverse-text at prime-rl's shape (128 rollouts of at most 128 tokens a step), figures from the run's own
+metrics.jsonl; and the generation baseline: the same requests sent to Slipstream's vLLM server (plugin, middleware,
+flags) and to a bare vLLM server of the same model and engine flags.
+
+    python benchmarks/gpu_loop.py --model DIR --name smollm2 --steps 20 --async-levels 1 0 --baseline
+
+Per run it prints the medians over the steps after the first two (warm-up: CUDA graphs, first updates):
+- `gen_tok_s`: completion tokens of the step's batch over the time the orchestrator spent generating it;
+- `pause_ms`: the time vLLM held in-flight requests for a weight update (pause to resume), per update;
+- `update_ms`: the whole update seen by the orchestrator (calibration, pause, load, probe check);
+- `send_gbps`: the trainer's weight send (bytes over `weights/send_s`);
+- `train_tok_s`: the trainer's tokens/s (loss, backward, optimizer step);
+- `steps_per_hour`: from the median interval between steps' records;
+- the weight checks: how many passed, the floor and the worst margin.
+The baseline prints `tokens_per_s` of both servers (best of 3 waves of the same 128 requests, every request forced to
+its full length with `min_tokens`) and their ratio. Records go to OUT/<name>.json.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import tomli_w
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+
+def rl_config(model: str, out: Path, steps: int, async_level: int, args: argparse.Namespace) -> dict:
+    return {
+        "max_steps": steps,
+        "output_dir": str(out),
+        "seed": 0,
+        "model": {"name": model, "dtype": "bfloat16"},
+        "deployment": {"gpus": [0, 1]},
+        "inference": {"max_model_len": 1024, "max_num_seqs": 256, "enforce_eager": False},
+        "orchestrator": {
+            "batch_size": args.batch_size,
+            "group_size": args.group_size,
+            "max_async_level": async_level,
+            "micro_batch_tokens": 16384,
+            "sampling": {"temperature": 1.0, "max_tokens": args.max_tokens},
+            "env": {"name": "reverse_text", "args": {"num_tasks": 4000, "min_words": 2, "max_words": 20}},
+        },
+        "trainer": {"optim": {"lr": args.lr, "max_grad_norm": 1.0}},
+        "launch": {"health_timeout_s": 900},
+    }
+
+
+def run_loop(model: str, out: Path, steps: int, async_level: int, args: argparse.Namespace) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "rl.toml"
+    path.write_text(tomli_w.dumps(rl_config(model, out / "run", steps, async_level, args)))
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "slipstream", "rl", "-c", str(path)], capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"slipstream rl failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return summarize(out / "run", wall)
+
+
+def _median(records: list[dict], key: str, scale: float = 1.0) -> float | None:
+    values = [r[key] * scale for r in records if isinstance(r.get(key), int | float)]
+    return statistics.median(values) if values else None
+
+
+def summarize(run: Path, wall: float) -> dict:
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steady = metrics[2:] or metrics
+    updates = [m for m in steady if m.get("weights/num_updates")]
+    gen = [
+        {"rate": m["batch/completion_tokens"] / m["timing/generate_s"]}
+        for m in steady
+        if m.get("timing/generate_s", 0) > 0 and "batch/completion_tokens" in m
+    ]
+    times = [m["time"] for m in metrics]
+    intervals = [b - a for a, b in zip(times[2:], times[3:], strict=False)] or [wall / max(len(metrics), 1)]
+    checks = [json.loads(line) for line in (run / "weight_checks.jsonl").read_text().splitlines()]
+    loads = [c for c in checks if c.get("kind") == "update"]
+    floor = next((c["max_abs_diff"] for c in checks if c.get("kind") == "calibration"), None)
+    per_update = [{k: m[k] / m["weights/num_updates"] for k in m if k.startswith("timing/weight")} for m in updates]
+    return {
+        "steps": len(metrics),
+        "wall_s": round(wall, 1),
+        "gen_tok_s": _median(gen, "rate"),
+        "pause_ms": _median(per_update, "timing/weight_pause_s", 1e3),
+        "update_ms": _median(per_update, "timing/weight_update_s", 1e3),
+        "send_s": _median(steady, "weights/send_s"),
+        "send_gbps": _median(steady, "weights/send_gbps"),
+        "weight_bytes": steady[-1].get("weights/bytes"),
+        "train_tok_s": _median(steady, "tokens_per_s"),
+        "steps_per_hour": 3600.0 / statistics.median(intervals),
+        "mismatch_kl_step1": metrics[0].get("mismatch_kl"),
+        "mismatch_kl_median": _median(metrics, "mismatch_kl"),
+        "reward_first": metrics[0].get("reward/mean"),
+        "reward_last": metrics[-1].get("reward/mean"),
+        "checks_passed": f"{sum(c['passed'] for c in loads)}/{len(loads)}",
+        "floor": floor,
+        "min_margin": min((c["margin"] for c in loads), default=None),
+    }
+
+
+def bare_argv(argv: list[str]) -> list[str]:
+    """Slipstream's vLLM command line without what Slipstream adds (weight-transfer backend, middleware)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in ("--weight-transfer-config", "--middleware"):
+            skip = True
+            continue
+        out.append(arg)
+    return out
+
+
+async def wave(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+    body = {"model": model, "max_tokens": max_tokens, "min_tokens": max_tokens, "temperature": 1.0, "logprobs": 0}
+    body |= {"return_token_ids": True}
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        start = time.perf_counter()
+        replies = await asyncio.gather(*(client.post("/v1/completions", json=body | {"prompt": p}) for p in prompts))
+        seconds = time.perf_counter() - start
+    tokens = sum(r.json()["usage"]["completion_tokens"] for r in replies)
+    return tokens, seconds
+
+
+def serve_and_measure(argv: list[str], env: dict, url: str, model: str, prompts: list[list[int]], args) -> float:
+    log = open(args.out / f"server_{len(argv)}.log", "w")  # noqa: SIM115 - closed below
+    server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            if server.poll() is not None:
+                raise SystemExit(f"vLLM exited: see {log.name}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("vLLM never became healthy")
+            time.sleep(1)
+        asyncio.run(wave(url, model, prompts[:8], 8))  # warm-up
+        best = max(t / s for t, s in (asyncio.run(wave(url, model, prompts, args.max_tokens)) for _ in range(3)))
+        return best
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(60)
+        log.close()
+
+
+def baseline(model: str, args: argparse.Namespace) -> dict:
+    from transformers import AutoTokenizer
+
+    from slipstream.config.inference import InferenceConfig
+    from slipstream.config.shared import ModelConfig
+    from slipstream.envs.reverse_text import ReverseTextEnv
+    from slipstream.inference.server import build_vllm_argv, build_vllm_env
+    from slipstream.utils.net import free_port
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tasks = ReverseTextEnv(num_tasks=args.batch_size, min_words=2, max_words=20).tasks("train")
+    prompts = [tokenizer.apply_chat_template(t.prompt, add_generation_prompt=True, tokenize=True) for t in tasks]
+    prompts = [list(p["input_ids"] if isinstance(p, dict) else p) for p in prompts]
+    port = free_port()
+    config = InferenceConfig(
+        model=ModelConfig(name=model, dtype="bfloat16"), port=port, max_model_len=1024, max_num_seqs=256,
+        enforce_eager=False, device="cuda",
+    )  # fmt: skip
+    env = build_vllm_env(config) | {"CUDA_VISIBLE_DEVICES": "0", "SLIPSTREAM_ADMIN_TOKEN": "benchmark"}
+    argv = build_vllm_argv(config, Path(model))
+    url = f"http://127.0.0.1:{port}"
+    rates = {
+        "slipstream": serve_and_measure(argv, env, url, model, prompts, args),
+        "bare": serve_and_measure(bare_argv(argv), env, url, model, prompts, args),
+    }
+    return rates | {"ratio": rates["slipstream"] / rates["bare"], "requests": len(prompts)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a Hugging Face model folder")
+    p.add_argument("--name", default="model")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--async-levels", type=int, nargs="*", default=[1])
+    p.add_argument("--baseline", action="store_true", help="also measure generation on Slipstream's and bare vLLM")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--group-size", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-6)
+    p.add_argument("--out", type=Path, default=Path("outputs/gpu_loop"))
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"model": args.name}
+    if args.baseline:
+        results["generation"] = baseline(args.model, args)
+        print(f"{args.name} generation: {json.dumps(results['generation'])}", flush=True)
+    for level in args.async_levels:
+        results[f"async_{level}"] = run_loop(
+            args.model, args.out / f"{args.name}_async{level}", args.steps, level, args
+        )
+        print(f"{args.name} max_async_level={level}: {json.dumps(results[f'async_{level}'])}", flush=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
