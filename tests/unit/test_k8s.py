@@ -18,7 +18,7 @@ from slipstream.config.trainer import TrainerConfig
 from slipstream.deploy.k8s import render_manifests, to_yaml
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*/rl*.toml"))
-GPU_EXAMPLES = {"qwen3_30b_a3b/rl.toml": 8, "reverse_text/rl-gpu.toml": 2}
+GPU_EXAMPLES = {"qwen3_30b_a3b/rl.toml": 8, "reverse_text/rl-gpu.toml": 2, "reverse_text/rl-gpu-smollm2.toml": 2}
 
 
 def _example(path: Path, *overrides: str) -> RLConfig:
