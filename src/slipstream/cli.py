@@ -8,7 +8,14 @@ import textwrap
 # out of space / quota, read-only, forbidden, or a path through a file: the user must fix the output directory
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST}
 
-USAGE = """usage: slipstream <command> [-c FILE.toml]... [--section.key VALUE]...
+OVERRIDES_HELP = """Configs: -c/--config FILE.toml (repeatable, later files win), then dotted overrides such as
+--trainer.optim.lr 1e-5. A value is read as TOML (3, 1e-5, true, "text", [1, 2], {a = 1}; JSON objects and
+arrays too); a text field takes it as typed (--slurm.time_limit 12:00:00, --model.revision 1234567).
+Tables merge key by key, but a table given whole replaces the one from the files:
+--orchestrator.env.args '{}' clears it, --orchestrator.env.args.num_tasks 8 sets one key."""
+"""How config files and overrides combine: in `slipstream --help` and every config command's `--help`."""
+
+USAGE = f"""usage: slipstream <command> [-c FILE.toml]... [--section.key VALUE]...
 
 Asynchronous reinforcement learning for LLMs.
 
@@ -29,8 +36,8 @@ commands:
   k8s           `k8s render -c rl.toml --out DIR`: write Kubernetes manifests of the run (docs/kubernetes.md)
   plan          `plan -c rl.toml --nodes N --gpu h200 --workload FILE`: split GPUs between inference and trainer
 
-Configs: -c/--config FILE.toml (repeatable, later files win), then dotted overrides such as
---trainer.optim.lr 1e-5. `slipstream <command> --help` lists every option with its default.
+{OVERRIDES_HELP}
+`slipstream <command> --help` lists every option with its default.
 """
 
 CONFIG_COMMANDS = {
@@ -148,7 +155,8 @@ def _run_config_command(command: str, rest: list[str]) -> int:
 
 def _print_help(command: str, config_cls: type, rows: list[tuple[str, str, str]]) -> None:
     print(f"usage: slipstream {command} [-c FILE.toml]... [--key VALUE]...\n")
-    print(textwrap.fill(" ".join((config_cls.__doc__ or "").split()), 100), "\n\noptions:")
+    print(textwrap.fill(" ".join((config_cls.__doc__ or "").split()), 100), "\n")
+    print(OVERRIDES_HELP, "\n\noptions:")
     for option, type_default, doc in rows:
         print(f"  {option}  ({type_default})")
         if doc:

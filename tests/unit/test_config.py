@@ -1,5 +1,6 @@
 """Config parsing: TOML files, dotted overrides, shared RL fields, and one-line errors naming the key."""
 
+import re
 import subprocess
 import sys
 import tomllib
@@ -30,11 +31,62 @@ def base_toml(tmp_path):
 
 
 def test_parse_cli_values_and_flags():
-    files, overrides = parse_cli(
-        ["-c", "a.toml", "--config", "b.toml", "--a.b", "3", "--a.c=x y", "--flag", "--n", "[1, 2]"]
+    files, overrides, replaced = parse_cli(
+        ["-c", "a.toml", "--config", "b.toml", "--a.b", "3", "--a.c=x y", "--flag", "--n", "[1, 2]", "--t", "{x = 1}"]
     )
     assert [str(f) for f in files] == ["a.toml", "b.toml"]
-    assert overrides == {"a": {"b": 3, "c": "x y"}, "flag": True, "n": [1, 2]}
+    assert overrides == {"a": {"b": 3, "c": "x y"}, "flag": True, "n": [1, 2], "t": {"x": 1}}
+    assert replaced == ["t"]
+
+
+def test_text_fields_take_the_value_as_typed(base_toml):
+    """A value TOML reads as a time, an integer or a boolean, or cannot read, is the text typed where the field is
+    text; elsewhere TOML's reading stands (and a wrong one is an error naming the key)."""
+    cfg = load_config(
+        RLConfig,
+        ["-c", str(base_toml), "--slurm.time_limit", "12:00:00", "--slurm.mem", "0", "--slurm.partition", "true"]
+        + ["--slurm.env.OMP_NUM_THREADS", "4", "--model.name", "org/m", "--model.revision", "1234567"]
+        + ["--output_dir", "2024", "--slurm.job_name", '"quoted"', "--slurm.account", "a=b:c"],
+    )
+    assert (cfg.slurm.time_limit, cfg.slurm.mem, cfg.slurm.partition) == ("12:00:00", "0", "true")
+    assert cfg.slurm.env == {"OMP_NUM_THREADS": "4"} and cfg.slurm.job_name == "quoted" and cfg.slurm.account == "a=b:c"
+    assert cfg.model.revision == cfg.trainer.model.revision == "1234567"
+    assert str(cfg.output_dir) == str(cfg.trainer.output_dir) == "2024"
+    assert cfg.seed == 0 and cfg.trainer.optim.lr == 2e-6
+    with pytest.raises(ConfigError, match=r"^seed: Input should be a valid integer \(got datetime\.time\(12, 0\)\)$"):
+        load_config(RLConfig, ["-c", str(base_toml), "--seed", "12:00:00"])
+    with pytest.raises(ConfigError, match=r"^slurm\.mem: Input should be a valid string \(got True\)$"):
+        load_config(RLConfig, ["-c", str(base_toml), "--slurm.mem"])  # a bare flag stays a boolean
+
+
+def test_slurm_text_fields_written_bare_in_toml(tmp_path):
+    """`mem = 0` and `time_limit = 12:00:00` in a TOML file are an integer and a time there: the text written."""
+    path = tmp_path / "rl.toml"
+    path.write_text(BASE + "[slurm]\nmem = 0\ntime_limit = 12:00:00\n")
+    cfg = load_config(RLConfig, ["-c", str(path)])
+    assert (cfg.slurm.mem, cfg.slurm.time_limit) == ("0", "12:00:00")
+    with pytest.raises(ConfigError, match=r"^slurm\.mem: String should have at least 1 character"):
+        load_config(RLConfig, ["-c", str(path), "--slurm.mem", '""'])
+
+
+def test_a_table_given_whole_replaces_the_files_one(base_toml, tmp_path):
+    env = tmp_path / "env.toml"
+    env.write_text('[orchestrator.env]\nname = "reverse_text"\nargs = { num_tasks = 10, min_words = 2 }\n')
+    files = ["-c", str(base_toml), "-c", str(env)]
+
+    def args(*overrides):
+        return load_config(RLConfig, [*files, *overrides]).orchestrator.env.args
+
+    assert args() == {"num_tasks": 10, "min_words": 2}
+    assert args("--orchestrator.env.args", "{}") == {}
+    assert args("--orchestrator.env.args", "{ max_words = 3 }") == {"max_words": 3}
+    assert args("--orchestrator.env.args", '{"num_tasks": 4}') == {"num_tasks": 4}  # JSON, as often written
+    assert args("--orchestrator.env.args.max_words", "3") == {"num_tasks": 10, "min_words": 2, "max_words": 3}
+    assert args("--orchestrator.env.args={}", "--orchestrator.env.args.num_tasks", "2") == {"num_tasks": 2}
+    assert args("--orchestrator.env.args.max_words", "3", "--orchestrator.env.args", "{}") == {}
+    # a section given whole: its other keys go back to their defaults, not the files' values
+    cfg = load_config(RLConfig, [*files, "--orchestrator.env", '{ name = "wordle" }'])
+    assert (cfg.orchestrator.env.name, cfg.orchestrator.env.args) == ("wordle", {})
 
 
 def test_rl_shared_fields_are_copied_into_sections(base_toml):
@@ -70,8 +122,25 @@ def test_wrong_type_names_key_and_value(base_toml):
 
 
 def test_missing_required_field():
-    with pytest.raises(ConfigError, match=r"max_steps is required"):
+    with pytest.raises(ConfigError) as e:
         load_config(RLConfig, ["--model.name", "m"])
+    assert str(e.value) == "max_steps is required; set it in the TOML file or with --max_steps VALUE"
+
+
+def test_a_shared_key_is_reported_once_by_its_top_level_name(base_toml):
+    """model, seed, ... are copied into every section that uses them: a mistake in one is one line, naming the key
+    the user sets."""
+    cases = {
+        ("--model.dtype", "float"): r"model\.dtype: Input should be 'float32' or 'bfloat16' \(got 'float'\)",
+        ("--seed", "x"): r"seed: Input should be a valid integer.*\(got 'x'\)",
+        ("--model.revision", "v1"): r"model: model\.revision only applies to Hugging Face Hub ids.*",
+        ("--checkpoint.interval", "0"): r"checkpoint\.interval: .*",
+        ("--trainer.max_stepz", "3"): r"unknown key trainer\.max_stepz; did you mean max_steps\?",
+    }
+    for argv, message in cases.items():
+        with pytest.raises(ConfigError) as e:
+            load_config(RLConfig, ["-c", str(base_toml), *argv])
+        assert re.fullmatch(message, str(e.value)), (argv, str(e.value))
 
 
 def test_cross_field_rule_says_what_to_change(base_toml):

@@ -162,6 +162,14 @@ def test_node_configs_load_back_with_the_node_overrides(tmp_path):
     assert "slurm" not in raw and "weights" not in raw["trainer"]
 
 
+def test_time_limit_and_all_memory_from_the_command_line_reach_sbatch(tmp_path):
+    """`--slurm.time_limit 12:00:00` (a TOML time) and `--slurm.mem 0` (all of each node's memory, a TOML integer)
+    are the text typed, and `mem = 0` is not dropped as a false value."""
+    config = _load(tmp_path, _config(tmp_path), "--slurm.time_limit", "12:00:00", "--slurm.mem", "0")
+    lines = render_job(config).job_script.read_text().splitlines()
+    assert "#SBATCH --time=12:00:00" in lines and "#SBATCH --mem=0" in lines
+
+
 def test_dry_run_prints_the_sbatch_command_and_submits_nothing(tmp_path):
     path = tmp_path / "rl.toml"
     path.write_text(tomli_w.dumps(_config(tmp_path, slurm={"wait": True})))

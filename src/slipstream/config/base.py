@@ -1,7 +1,7 @@
 """Base class for all configs: strict (unknown keys are errors), documented, TOML round-trippable."""
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict
@@ -18,6 +18,10 @@ class BaseConfig(BaseModel):
     model_config = ConfigDict(
         extra="forbid", use_attribute_docstrings=True, validate_assignment=True, allow_inf_nan=False
     )
+
+    shared_keys: ClassVar[dict[str, tuple[str, ...]]] = {}
+    """Top-level keys copied into sections (key -> those sections), set once at the top level: errors in a section's
+    copy name the top-level key, once."""
 
     def to_toml_dict(self) -> dict[str, Any]:
         """Plain dict for TOML output: None values dropped (TOML has no null), paths as strings."""

@@ -1,7 +1,7 @@
 """Config of `slipstream eval`: score a model folder, or a run's published weights, on an environment split."""
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
@@ -22,6 +22,8 @@ class EvalConfig(BaseConfig):
     completions (or rollouts, for multi-turn environments) per task. Serves `model.name` (or a run's
     `weights/step_<step>`) with a vLLM server started for the evaluation, on a free port unless inference.port is
     set, or queries an already running server at `inference_url`."""
+
+    shared_keys: ClassVar[dict[str, tuple[str, ...]]] = {key: ("inference",) for key in _SHARED_WITH_INFERENCE}
 
     model: ModelConfig
     """Model to evaluate (for a run's step: the run's model, which names the served weights).

@@ -1,14 +1,19 @@
 """Build a config from TOML files (`-c`, repeatable, later wins) and dotted CLI overrides (`--a.b.c value`).
 
+An override's value is read as a TOML value (`3`, `1e-5`, `true`, `"text"`, `[1, 2]`, `{ a = 1 }`; a JSON object or
+array is read too). Where the field takes text (a string or a path), a value TOML reads as something else, or cannot
+read, is the text as typed (`--slurm.time_limit 12:00:00`, `--model.revision 1234567`). Nested tables merge, except
+that a table given whole as a value (`--orchestrator.env.args '{}'`) replaces the one the files set.
 Every user mistake becomes a ConfigError whose message names the key and says what to change.
 """
 
 import difflib
+import json
 import tomllib
 import types
 import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -17,10 +22,21 @@ from slipstream.config.base import ConfigError
 C = TypeVar("C", bound=BaseModel)
 
 
-def parse_cli(argv: list[str]) -> tuple[list[Path], dict[str, Any]]:
-    """Split argv into config files and a nested dict of dotted overrides."""
+class CliArgs(NamedTuple):
+    """A command line split up: config files, the nested dict of overrides, and the dotted keys of the tables given
+    whole (which replace what the files set instead of merging into it)."""
+
+    files: list[Path]
+    overrides: dict[str, Any]
+    replaced_tables: list[str]
+
+
+def parse_cli(argv: list[str], cls: type[BaseModel] | None = None) -> CliArgs:
+    """Split argv into config files and dotted overrides; `cls` (the config they are for) tells which fields take
+    text, so that a value TOML reads as a number, a time or a date stays the text typed there."""
     files: list[Path] = []
     overrides: dict[str, Any] = {}
+    replaced: list[str] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -32,22 +48,78 @@ def parse_cli(argv: list[str]) -> tuple[list[Path], dict[str, Any]]:
             continue
         if not arg.startswith("--") or len(arg) == 2:
             raise ConfigError(f"unexpected argument {arg!r}; options look like --trainer.optim.lr 1e-5")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 < len(argv) and not argv[i + 1].startswith("--") and argv[i + 1] not in ("-c", "-h"):
-                value, i = argv[i + 1], i + 1
-            else:
-                value = "true"  # a bare flag
-        _set_dotted(overrides, key.replace("-", "_"), _parse_value(value))
+        key, eq, text = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--") and argv[i + 1] not in ("-c", "-h"):
+            eq, text, i = "=", argv[i + 1], i + 1
+        annotation = annotation_at(cls, key.split(".")) if cls is not None else None
+        value = _parse_value(text, annotation) if eq else True  # no value: a bare flag
+        _set_dotted(overrides, key, value)
+        if isinstance(value, dict):
+            replaced.append(key)
         i += 1
-    return files, overrides
+    return CliArgs(files, overrides, replaced)
 
 
-def _parse_value(text: str) -> Any:
+def _parse_value(text: str, annotation: Any) -> Any:
+    """`text` as TOML (else as a JSON object or array, else as text); the text itself where the field takes only
+    text and TOML reads something else (`12:00:00` is a TOML time, `0` an integer)."""
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
+        value = _json_container(text)
+    if not isinstance(value, str) and _takes_only_text(annotation):
         return text
+    return value
+
+
+def _json_container(text: str) -> Any:
+    """A JSON object or array (`{"num_tasks": 8}`, as people often write them), else `text` unchanged."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict | list) else text
+
+
+def _takes_only_text(annotation: Any) -> bool:
+    """Whether a field of this annotation accepts only text (str, a path, string literals; optionally None)."""
+    if annotation in (str, Path):
+        return True
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return all(isinstance(arg, str) for arg in typing.get_args(annotation))
+    if origin in (typing.Union, types.UnionType):
+        args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        return bool(args) and all(_takes_only_text(arg) for arg in args)
+    return False
+
+
+def annotation_at(cls: type[BaseModel], keys: list[str]) -> Any:
+    """The annotation of the field at dotted `keys` in `cls` (through nested configs and dict values); None where
+    `keys` names no field."""
+    annotation: Any = cls
+    for key in keys:
+        model = _model_of(annotation)
+        if model is not None:
+            field = model.model_fields.get(key)
+            if field is None:
+                return None
+            annotation = field.annotation
+        elif (value_type := _dict_value_type(annotation)) is not None:
+            annotation = value_type
+        else:
+            return None
+    return annotation
+
+
+def _dict_value_type(annotation: Any) -> Any:
+    """X of a `dict[str, X]` annotation (also inside an optional one), else None."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return next((v for a in typing.get_args(annotation) if (v := _dict_value_type(a)) is not None), None)
+    if typing.get_origin(annotation) is dict and len(typing.get_args(annotation)) == 2:
+        return typing.get_args(annotation)[1]
+    return None
 
 
 def _set_dotted(target: dict[str, Any], key: str, value: Any) -> None:
@@ -85,22 +157,41 @@ def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 def load_config(cls: type[C], argv: list[str]) -> C:
     """Parse `argv` (files + overrides) into a validated `cls`."""
-    files, overrides = parse_cli(argv)
+    cli = parse_cli(argv, cls)
     data: dict[str, Any] = {}
-    for path in files:
+    for path in cli.files:
         data = deep_merge(data, read_toml(path))
-    return validate_config(cls, deep_merge(data, overrides))
+    for key in cli.replaced_tables:
+        _drop_dotted(data, key.split("."))
+    return validate_config(cls, deep_merge(data, cli.overrides))
+
+
+def _drop_dotted(data: dict[str, Any], keys: list[str]) -> None:
+    """Remove the value at dotted `keys` from nested `data`, if there is one."""
+    for key in keys[:-1]:
+        data = data.get(key)
+        if not isinstance(data, dict):
+            return
+    data.pop(keys[-1], None)
 
 
 def validate_config(cls: type[C], data: dict[str, Any]) -> C:
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        raise ConfigError("\n".join(_describe(cls, err) for err in e.errors())) from None
+        # a shared field's mistake shows in every section it is copied into: one line names it, once
+        raise ConfigError("\n".join(dict.fromkeys(_describe(cls, err) for err in e.errors()))) from None
+
+
+def user_key(cls: type[BaseModel], loc: list[str]) -> list[str]:
+    """The key a user sets for the value at `loc`: a field a section gets from the top level (`trainer.max_steps` in
+    `slipstream rl`, see `BaseConfig.shared_keys`) is set at the top level (`max_steps`)."""
+    shared = getattr(cls, "shared_keys", {})
+    return loc[1:] if len(loc) >= 2 and loc[0] in shared.get(loc[1], ()) else loc
 
 
 def _describe(cls: type[BaseModel], err: Any) -> str:
-    loc = [str(p) for p in err["loc"]]
+    loc = user_key(cls, [str(p) for p in err["loc"]])
     key = ".".join(loc) or "<config>"
     if not key.isprintable():  # a key with control characters is shown escaped, on one line
         key = ascii(key)
@@ -108,7 +199,11 @@ def _describe(cls: type[BaseModel], err: Any) -> str:
     if kind == "extra_forbidden":
         known = _field_names(cls, loc[:-1])
         close = difflib.get_close_matches(loc[-1], known, n=1)
-        hint = f"; did you mean {'.'.join([*loc[:-1], close[0]])}?" if close else f"; known keys: {', '.join(known)}"
+        hint = (
+            f"; did you mean {'.'.join(user_key(cls, [*loc[:-1], close[0]]))}?"
+            if close
+            else f"; known keys: {', '.join(known)}"
+        )
         return f"unknown key {key}{hint}"
     if kind == "missing":
         return f"{key} is required; set it in the TOML file or with --{key} VALUE"

@@ -56,7 +56,9 @@ class EnvConfig(BaseConfig):
     (see docs/environments.md)."""
 
     args: dict[str, Any] = {}
-    """Keyword arguments for the environment's loader or constructor (e.g. `num_tasks`, `min_words`)."""
+    """Keyword arguments for the environment's loader or constructor (e.g. `num_tasks`, `min_words`). On the command
+    line, `--orchestrator.env.args '{ num_tasks = 64 }'` replaces the config file's args (`'{}'`: none), and
+    `--orchestrator.env.args.num_tasks 64` changes one of them."""
 
     server: EnvServerConfig = EnvServerConfig()
     """Where the environment runs: in the orchestrator or in its own supervised process (env server)."""

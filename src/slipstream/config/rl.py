@@ -1,7 +1,7 @@
 """Config of `slipstream rl`: the three processes plus the fields they share, set once at the top level."""
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import urlparse
 
 from pydantic import BaseModel, Field, model_validator
@@ -91,6 +91,8 @@ class LaunchConfig(BaseConfig):
 class RLConfig(BaseConfig):
     """Asynchronous RL: inference + orchestrator + trainer. `model`, `output_dir`, `max_steps` and `seed`
     are set here once and copied into every section that uses them."""
+
+    shared_keys: ClassVar[dict[str, tuple[str, ...]]] = _SHARED
 
     model: ModelConfig
     """Model to train and serve."""

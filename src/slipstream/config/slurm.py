@@ -1,8 +1,10 @@
 """Config of `[slurm]`: `slipstream rl` submits the run as one Slurm batch job instead of running it here."""
 
+import datetime
 from pathlib import Path
+from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from slipstream.config.base import BaseConfig
 
@@ -36,7 +38,7 @@ class SlurmConfig(BaseConfig):
     account: str | None = None
     """Account charged for the job (`#SBATCH --account`); None: the user's default."""
 
-    time_limit: str | None = None
+    time_limit: str | None = Field(None, min_length=1)
     """Wall-clock limit in a Slurm time format such as `2-00:00:00` or `12:00:00` (`#SBATCH --time`); None: the
     partition's default. A run stopped by it continues with `slipstream rl --resume` in a new job."""
 
@@ -47,8 +49,9 @@ class SlurmConfig(BaseConfig):
     cpus_per_node: int | None = Field(None, ge=1)
     """CPUs requested on each node (`#SBATCH --cpus-per-task`, one task per node); None: the cluster's default."""
 
-    mem: str | None = None
-    """Memory per node (`#SBATCH --mem`, e.g. `200G`; `0` asks for all of it); None: the cluster's default."""
+    mem: str | None = Field(None, min_length=1)
+    """Memory per node (`#SBATCH --mem`): a size such as `200G` (a bare number is megabytes, Slurm's unit), or `0`
+    for all of each node's memory; None: the cluster's default."""
 
     exclusive: bool = False
     """Ask for whole nodes (`#SBATCH --exclusive`)."""
@@ -79,6 +82,14 @@ class SlurmConfig(BaseConfig):
 
     node_template: Path | None = None
     """Custom Jinja template of the per-node script; None: slipstream/launch/templates/slurm_node.sh.jinja."""
+
+    @field_validator("time_limit", "mem", mode="before")
+    @classmethod
+    def _as_text(cls, value: Any) -> Any:
+        """What TOML reads as an integer (`mem = 0`) or a time (`time_limit = 12:00:00`) is the text written."""
+        if isinstance(value, int | datetime.time) and not isinstance(value, bool):
+            return str(value)
+        return value
 
     @property
     def num_inference_nodes(self) -> int:
