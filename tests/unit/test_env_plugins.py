@@ -1,19 +1,33 @@
 """Environments from outside the package: import paths, names registered by installed packages (entry points), and
 the package `slipstream env init` writes (it installs with pip, its own test passes, and it loads by both names)."""
 
+import shlex
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from slipstream.cli import main as cli_main
+from slipstream.config.loader import load_config
+from slipstream.config.rl import RLConfig
 from slipstream.envs.registry import build_env, known_envs
 from slipstream.envs.scaffold import init_env_package
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _module(tmp_path, name: str, body: str):
     (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))
+
+
+def _installed(site: Path, dist: str, entry_points: str) -> None:
+    """What pip leaves in `site` for distribution `dist` registering `entry_points` (lines `NAME = module:attr`)."""
+    info = site / f"{dist.replace('-', '_')}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[slipstream.environments]\n{entry_points}\n")
 
 
 def test_import_paths_load_and_bad_ones_say_why(tmp_path, monkeypatch):
@@ -52,11 +66,7 @@ def test_import_paths_load_and_bad_ones_say_why(tmp_path, monkeypatch):
 
 def test_installed_packages_register_names_through_entry_points(tmp_path, monkeypatch):
     site = tmp_path / "site"
-    (site / "ep_env-1.0.dist-info").mkdir(parents=True)
-    (site / "ep_env-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: ep-env\nVersion: 1.0\n")
-    (site / "ep_env-1.0.dist-info" / "entry_points.txt").write_text(
-        "[slipstream.environments]\nep-words = ep_env:load\nep-broken = ep_env_missing:load\n"
-    )
+    _installed(site, "ep-env", "ep-words = ep_env:load\nep-broken = ep_env_missing:load")
     _module(site, "ep_env", "from slipstream.envs.alphabet_sort import AlphabetSortEnv\nload = AlphabetSortEnv\n")
     monkeypatch.syspath_prepend(str(site))
     assert {"ep-words", "ep-broken", "reverse_text"} <= set(known_envs())
@@ -92,3 +102,24 @@ def test_env_init_writes_a_package_that_installs_and_trains_by_name(tmp_path, ca
         env={**env, "PYTHONPATH": f"{site}"},
     )
     assert tests.returncode == 0, tests.stdout + tests.stderr
+
+
+def test_the_documented_own_environment_commands_build_it(tmp_path, monkeypatch):
+    """docs/environments.md's `slipstream rl -c examples/reverse_text/rl.toml ... --orchestrator.env.name word-echo`
+    commands, as written, up to the environment the orchestrator builds (no vLLM): the example config's reverse-text
+    arguments are replaced, and word-echo's loader takes what is left."""
+    init_env_package("word-echo", tmp_path)
+    _installed(tmp_path / "site", "word-echo", "word-echo = word_echo.env:load_environment")
+    monkeypatch.syspath_prepend(str(tmp_path / "word-echo" / "src"))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.chdir(ROOT)
+    doc = (ROOT / "docs" / "environments.md").read_text().replace("\\\n", " ")
+    commands = [line for line in doc.splitlines() if line.startswith("slipstream rl") and "word-echo" in line]
+    assert len(commands) == 2, commands
+    for command in commands:
+        argv = shlex.split(command)
+        assert argv[:2] == ["slipstream", "rl"]
+        env = load_config(RLConfig, argv[2:]).orchestrator.env
+        built = build_env(env.name, **env.args)
+        assert built.name == "word-echo" and built.tasks("train") and built.tasks("eval"), command
+    assert env.args == {"num_tasks": 64} and len(built.tasks("train")) == 64

@@ -103,7 +103,7 @@ A [Slipstream](https://pypi.org/project/slipstream/) RL environment, written by 
 
     pip install -e .                 # registers "{name}" under the slipstream.environments entry points
     pytest tests                     # the environment's own tests
-    slipstream rl -c my.toml --orchestrator.env.name {name} --orchestrator.env.args '{{"num_tasks": 128}}'
+    slipstream rl -c my.toml --orchestrator.env.name {name} --orchestrator.env.args '{{ num_tasks = 128 }}'
 
 Without installing: `--orchestrator.env.name {package}.env:load_environment` with `src/` on PYTHONPATH.
 Edit `src/{package}/env.py`: `tasks(split)` and `reward(task, completion_text)`.
