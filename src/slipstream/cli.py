@@ -16,6 +16,7 @@ Tables merge key by key, but a table given whole replaces the one from the files
 """How config files and overrides combine: in `slipstream --help` and every config command's `--help`."""
 
 USAGE = f"""usage: slipstream <command> [-c FILE.toml]... [--section.key VALUE]...
+       slipstream --version | doctor [--slurm]
 
 Asynchronous reinforcement learning for LLMs.
 
@@ -35,6 +36,9 @@ commands:
   env           `env init NAME`: write an installable environment package (docs/environments.md)
   k8s           `k8s render -c rl.toml --out DIR`: write Kubernetes manifests of the run (docs/kubernetes.md)
   plan          `plan -c rl.toml --nodes N --gpu h200 --workload FILE`: split GPUs between inference and trainer
+  doctor        check this machine for a run, one line per check with the fix: Python, torch + GPUs, NCCL,
+                vLLM against the supported range, the sandbox (bubblewrap), free disk, default ports;
+                --slurm: sbatch too; --output-dir DIR: the disk to check. Exits 1 if a check FAILs
 
 {OVERRIDES_HELP}
 `slipstream <command> --help` lists every option with its default.
@@ -81,7 +85,16 @@ def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from slipstream.version import package_version
+
+        print(f"slipstream {package_version()}")
+        return 0
     command, rest = argv[0], argv[1:]
+    if command == "doctor":
+        from slipstream.doctor import main as doctor_main
+
+        return doctor_main(rest)
     if command == "model":
         from slipstream.models.cli import main as model_main
 

