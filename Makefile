@@ -6,8 +6,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRA)
 DEMO_CONFIG ?= examples/reverse_text/rl.toml
 DEMO_SFT_CONFIG ?= examples/reverse_text/sft.toml
+# flake-hunt: how many runs, of which tests (each run beside a process keeping one core busy; tests/flake_hunt.py)
+N ?= 3
+TESTS ?= tests/e2e
 
-.PHONY: setup demo test test-unit test-e2e lint format
+.PHONY: setup demo test test-unit test-e2e flake-hunt lint format
 
 $(STAMP): pyproject.toml
 	@# bubblewrap isolates tool/code execution (src/slipstream/sandbox); installed when we can (root + apt)
@@ -47,6 +50,9 @@ test-unit: setup
 
 test-e2e: setup
 	$(PY) -m pytest tests/e2e -q
+
+flake-hunt: setup
+	$(PY) -m tests.flake_hunt -n $(N) $(TESTS) -- -m "not gpu"
 
 lint: setup
 	$(PY) -m ruff check src tests $(wildcard benchmarks)
