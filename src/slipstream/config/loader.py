@@ -180,18 +180,24 @@ def validate_config(cls: type[C], data: dict[str, Any]) -> C:
         return cls.model_validate(data)
     except ValidationError as e:
         # a shared field's mistake shows in every section it is copied into: one line names it, once
-        raise ConfigError("\n".join(dict.fromkeys(_describe(cls, err) for err in e.errors()))) from None
+        top = set(data) if isinstance(data, dict) else set()
+        raise ConfigError("\n".join(dict.fromkeys(_describe(cls, err, top) for err in e.errors()))) from None
 
 
-def user_key(cls: type[BaseModel], loc: list[str]) -> list[str]:
+def user_key(cls: type[BaseModel], loc: list[str], given: set[str] | None = None) -> list[str]:
     """The key a user sets for the value at `loc`: a field a section gets from the top level (`trainer.max_steps` in
-    `slipstream rl`, see `BaseConfig.shared_keys`) is set at the top level (`max_steps`)."""
+    `slipstream rl`, see `BaseConfig.shared_keys`) is set at the top level (`max_steps`), unless `given` (the top-level
+    keys the user gave) lacks it while the section has it: then the user wrote the section's key."""
     shared = getattr(cls, "shared_keys", {})
-    return loc[1:] if len(loc) >= 2 and loc[0] in shared.get(loc[1], ()) else loc
+    if len(loc) >= 2 and loc[0] in shared.get(loc[1], ()) and (given is None or loc[1] in given):
+        return loc[1:]
+    return loc
 
 
-def _describe(cls: type[BaseModel], err: Any) -> str:
-    loc = user_key(cls, [str(p) for p in err["loc"]])
+def _describe(cls: type[BaseModel], err: Any, given: set[str] | None = None) -> str:
+    raw = [str(p) for p in err["loc"]]
+    # a missing shared field is set at the top level; a wrong one where the user wrote it
+    loc = user_key(cls, raw, None if err["type"] == "missing" else given)
     key = ".".join(loc) or "<config>"
     if not key.isprintable():  # a key with control characters is shown escaped, on one line
         key = ascii(key)
