@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from slipstream.models.registry import MODEL_SPECS, load_pretrained
+from tests.unit.moe_family_helpers import save_random_hf
 
 LOGITS_ATOL = 1e-4
 GRAD_RTOL = 1e-4
@@ -26,15 +27,7 @@ def build_pair(
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(ours, transformers) in eval mode, with the weights of a transformers model of `config` (seed `seed`; selection
     biases random, as transformers inits them at 0; then `tweak`, under no_grad) saved to `folder` and loaded back."""
-    torch.manual_seed(seed)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, buffer in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, 0.1)
-        if tweak is not None:
-            tweak(hf)
-    hf.save_pretrained(folder)
+    save_random_hf(config, folder, seed, tweak)
     ours = load_pretrained(folder, impl="custom").eval()
     return ours, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 

@@ -32,10 +32,24 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
+def save_random_hf(config, folder: Path, seed: int = 1, tweak: Callable[[torch.nn.Module], None] | None = None) -> Path:
+    """A random transformers model of `config` (seed `seed`; selection biases random, as transformers inits them at
+    0; then `tweak`, under no_grad) saved to `folder`."""
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, buffer in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
+        if tweak is not None:
+            tweak(hf)
+    hf.save_pretrained(folder)
+    return folder
+
+
 def model_dir_fixture(family: str, config: Callable[[str], object], tweak: Callable[[torch.nn.Module], None] = None):
     """A module-scoped `model_dir` fixture: `case -> folder`, "tiny" the session's tiny model of `family`, any other
-    case a random transformers model of `config(case)` (seed 1) whose selection biases are random (transformers inits
-    them at 0) and that `tweak` may change further (under no_grad)."""
+    case a random transformers model of `config(case)` (seed 1, `save_random_hf`)."""
 
     @pytest.fixture(scope="module")
     def model_dir(tiny_model_factory, tmp_path_factory):
@@ -46,16 +60,7 @@ def model_dir_fixture(family: str, config: Callable[[str], object], tweak: Calla
                 if case == "tiny":
                     built[case] = tiny_model_factory(family)
                 else:
-                    torch.manual_seed(1)
-                    hf = AutoModelForCausalLM.from_config(config(case), dtype=torch.float32)
-                    with torch.no_grad():
-                        for name, buffer in hf.named_buffers():
-                            if name.endswith("e_score_correction_bias"):
-                                buffer.normal_(0.0, 0.1)
-                        if tweak is not None:
-                            tweak(hf)
-                    built[case] = tmp_path_factory.mktemp(case)
-                    hf.save_pretrained(built[case])
+                    built[case] = save_random_hf(config(case), tmp_path_factory.mktemp(case), 1, tweak)
             return built[case]
 
         return get
