@@ -6,11 +6,13 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRA)
 DEMO_CONFIG ?= examples/reverse_text/rl.toml
 DEMO_SFT_CONFIG ?= examples/reverse_text/sft.toml
+# test-quick's one end-to-end test: a tiny model trains 3 steps through the launcher, real vLLM and weight sync checks
+QUICK_E2E := tests/e2e/test_rl_tiny.py::test_three_steps_with_verified_weight_updates
 # flake-hunt: how many runs, of which tests (each run beside a process keeping one core busy; tests/flake_hunt.py)
 N ?= 3
 TESTS ?= tests/e2e
 
-.PHONY: setup demo test test-unit test-e2e flake-hunt lint format
+.PHONY: setup demo test test-quick test-unit test-e2e flake-hunt lint format
 
 $(STAMP): pyproject.toml
 	@# bubblewrap isolates tool/code execution (src/slipstream/sandbox); installed when we can (root + apt)
@@ -44,6 +46,12 @@ demo: setup
 test: setup
 	$(PY) -m ruff check src tests $(wildcard benchmarks)
 	$(PY) -m pytest tests -q -m "not gpu"; rc=$$?; if [ $$rc -eq 5 ]; then echo "error: no tests ran"; exit 1; fi; exit $$rc
+
+# The unit tests but the slow ones (tests/unit/slow_tests.txt) and one end-to-end RL run through real vLLM (CPU build):
+# minutes, not half an hour; `make test` runs everything
+test-quick: setup
+	$(PY) -m ruff check src tests $(wildcard benchmarks)
+	$(PY) -m pytest tests/unit $(QUICK_E2E) -q -m "not gpu and not slow"; rc=$$?; if [ $$rc -eq 5 ]; then echo "error: no tests ran"; exit 1; fi; exit $$rc
 
 test-unit: setup
 	$(PY) -m pytest tests/unit -q
