@@ -44,7 +44,7 @@ PLUGIN = "tests.flake_hunt"
 
 
 @dataclass
-class TestRecord:
+class Tally:
     """One test across the runs: how many runs it ran in (not skipped), and each failure's run and first line."""
 
     runs: int = 0
@@ -54,7 +54,7 @@ class TestRecord:
 
 @dataclass
 class HuntResult:
-    tests: dict[str, TestRecord] = field(default_factory=dict)
+    tests: dict[str, Tally] = field(default_factory=dict)
     broken_runs: list[tuple[int, str]] = field(default_factory=list)
     """Runs whose pytest did not finish normally (timed out, crashed, usage error): (run, why)."""
     hog_pids: list[int] = field(default_factory=list)
@@ -183,7 +183,7 @@ def record_run(run: int, status: int | str, records: Path, result: HuntResult) -
     """Adds one run's outcomes to `result`; returns its summary line."""
     cases = read_records(records)
     for node_id, (outcome, message) in cases.items():
-        record = result.tests.setdefault(node_id, TestRecord())
+        record = result.tests.setdefault(node_id, Tally())
         if outcome == "skipped":
             record.skips += 1
             continue
