@@ -117,6 +117,10 @@ def test_a_high_floor_stops_the_run_before_any_load(tmp_path):
     with pytest.raises(WeightSyncError, match=r"before any weight update.*max_floor = 1"):
         asyncio.run(checker.maybe_calibrate(1, served_version=0))
     assert _records(tmp_path)[0]["kind"] == "calibration"
+    warned = _checker(tmp_path, Engine(_policy(7)), stop_on_failure=False)  # not stopping: the floor is not adopted
+    assert asyncio.run(warned.maybe_calibrate(1, served_version=0)) is None
+    assert warned.allowed() == BF16_TOLERANCE and warned.measured
+    assert asyncio.run(warned.maybe_calibrate(1, served_version=0)) is None and len(_records(tmp_path)) == 2  # once
 
 
 def test_no_calibration_without_the_served_versions_logprobs_and_a_fixed_bound_stays_fixed(tmp_path):

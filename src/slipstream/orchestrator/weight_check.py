@@ -72,6 +72,8 @@ class WeightChecker:
         self.output_dir = Path(output_dir).resolve()
         self.base_tolerance = base_tolerance
         self.floor: Floor | None = None
+        self.measured = False
+        """Whether the floor was measured (once a run; a floor over max_floor is measured but not adopted)."""
 
     def allowed(self) -> float:
         """The largest max |diff| a load may show."""
@@ -87,28 +89,30 @@ class WeightChecker:
         served version, score them on inference (still serving it) and keep the result as the floor. Returns the
         floor (None while none could be measured)."""
         cfg = self.config
-        if self.floor is not None or not cfg.enabled or not cfg.calibrate or self.per_position:
+        if self.measured or not cfg.enabled or not cfg.calibrate or self.per_position:
             return self.floor
         probe = read_probe(self.output_dir, version)
         if probe.get("previous_step") != served_version or "previous_logprobs" not in probe:
             return None
         previous = np.asarray(probe["previous_logprobs"], dtype=np.float64)
         scored = await self._score(probe["token_ids"], previous, served_version)
-        self.floor = Floor(served_version, scored.max_abs_diff, scored.mean_abs_diff)
-        record = {"kind": "calibration", **asdict(self.floor), "num_tokens": len(previous)}
+        floor, self.measured = Floor(served_version, scored.max_abs_diff, scored.mean_abs_diff), True
+        if floor.max_abs_diff <= cfg.max_floor:  # a floor above it would let any load pass: never adopted
+            self.floor = floor
+        record = {"kind": "calibration", **asdict(floor), "num_tokens": len(previous)}
         record |= {"allowed": self.allowed(), "worst_engine": scored.engine, "num_engines": scored.num_engines}
         append_line(RunDir(self.output_dir).weight_checks_path, json.dumps(record))
         log.info(
             f"weight check calibrated on policy v{served_version}: trainer vs inference on the same weights differ by "
             f"max {scored.max_abs_diff:.3g} (mean {scored.mean_abs_diff:.3g}); loads may differ by {self.allowed():.3g}"
         )
-        if scored.max_abs_diff > cfg.max_floor:
+        if self.floor is None:
             self._fail(
                 f"before any weight update, inference and the trainer disagree on policy v{served_version} (the same "
                 f"weights) by max {scored.max_abs_diff:.3g} log-prob (mean {scored.mean_abs_diff:.3g}), over "
                 f"orchestrator.weight_check.max_floor = {cfg.max_floor:g}: they do not run the same model (model.name, "
                 "revision, dtype), or their numerics differ more than a check can see through; raise max_floor if "
-                "this model is that ill-conditioned"
+                "this model is that ill-conditioned (without stop_on_failure, loads keep the dtype's tolerance)"
             )
         return self.floor
 
@@ -134,17 +138,14 @@ class WeightChecker:
         return check
 
     async def _score(self, token_ids: list[int], expected: np.ndarray, version: int) -> Scored:
-        worst: Scored | None = None
-        for engine in self.client.admin_clients:  # behind a router: every engine, each must have taken the update
+        engines = self.client.admin_clients  # behind a router: every engine, each must have taken the update
+        scored = []
+        for engine in engines:
             score = engine.score_tokens_per_position if self.per_position else engine.score_tokens
             got = np.asarray(await score(list(token_ids), cache_salt(version)), dtype=np.float64)
             diff = np.abs(got - expected)
-            if worst is None or float(diff.max()) > worst.max_abs_diff:
-                worst = Scored(got, float(diff.max()), float(diff.mean()), engine.base_url, 0)
-        assert worst is not None
-        return Scored(
-            worst.logprobs, worst.max_abs_diff, worst.mean_abs_diff, worst.engine, len(self.client.admin_clients)
-        )
+            scored.append(Scored(got, float(diff.max()), float(diff.mean()), engine.base_url, len(engines)))
+        return max(scored, key=lambda s: s.max_abs_diff)  # the worst engine
 
     def _fail(self, message: str) -> None:
         if self.config.stop_on_failure:
