@@ -9,7 +9,11 @@ Per run it prints the medians over the steps after the first two (warm-up: CUDA 
 - `gen_tok_s`: completion tokens of the step's batch over the time the orchestrator spent generating it;
 - `pause_ms`: the time vLLM held in-flight requests for a weight update (pause to resume), per update;
 - `update_ms`: the whole update seen by the orchestrator (calibration, pause, load, probe check);
-- `send_gbps`: the trainer's weight send (bytes over `weights/send_s`);
+- `send_gbps`: the trainer's weight send (bytes over `weights/send_s`, which leaves out `accept_wait_s`, the time the
+  trainer waited for the orchestrator to take the version);
+- `pause_phases_ms`: where the pause went, per vLLM admin call (`timing/weight_pause/<call>_s`; `<call>_server`: the
+  server's own part of it);
+- `loop_lag_max_ms`: the orchestrator's event loop, its worst lateness in a step (utils/loop_lag.py);
 - `train_tok_s`: the trainer's tokens/s (loss, backward, optimizer step);
 - `steps_per_hour`: from the median interval between steps' records;
 - the weight checks: how many passed, the floor and the worst margin.
@@ -35,13 +39,18 @@ sys.path.insert(0, str(REPO / "src"))
 
 
 def rl_config(model: str, out: Path, steps: int, async_level: int, args: argparse.Namespace) -> dict:
+    inference = {"max_model_len": 1024, "max_num_seqs": 256, "enforce_eager": False}
+    if args.router_replay:  # MoE: the trainer takes the experts vLLM routed each token to (returned with completions)
+        inference["enable_return_routed_experts"] = True
+    if args.gpu_memory_utilization is not None:
+        inference["gpu_memory_utilization"] = args.gpu_memory_utilization
     return {
         "max_steps": steps,
         "output_dir": str(out),
         "seed": 0,
         "model": {"name": model, "dtype": "bfloat16"},
         "deployment": {"gpus": [0, 1]},
-        "inference": {"max_model_len": 1024, "max_num_seqs": 256, "enforce_eager": False},
+        "inference": inference,
         "orchestrator": {
             "batch_size": args.batch_size,
             "group_size": args.group_size,
@@ -49,6 +58,7 @@ def rl_config(model: str, out: Path, steps: int, async_level: int, args: argpars
             "micro_batch_tokens": 16384,
             "sampling": {"temperature": 1.0, "max_tokens": args.max_tokens},
             "env": {"name": "reverse_text", "args": {"num_tasks": 4000, "min_words": 2, "max_words": 20}},
+            "router_replay": args.router_replay,
         },
         "trainer": {"optim": {"lr": args.lr, "max_grad_norm": 1.0}},
         "launch": {"health_timeout_s": 900},
@@ -87,6 +97,7 @@ def summarize(run: Path, wall: float) -> dict:
     loads = [c for c in checks if c.get("kind") == "update"]
     floor = next((c["max_abs_diff"] for c in checks if c.get("kind") == "calibration"), None)
     per_update = [{k: m[k] / m["weights/num_updates"] for k in m if k.startswith("timing/weight")} for m in updates]
+    phases = sorted({k for u in per_update for k in u if k.startswith("timing/weight_pause/")})
     return {
         "steps": len(metrics),
         "wall_s": round(wall, 1),
@@ -95,6 +106,9 @@ def summarize(run: Path, wall: float) -> dict:
         "update_ms": _median(per_update, "timing/weight_update_s", 1e3),
         "send_s": _median(steady, "weights/send_s"),
         "send_gbps": _median(steady, "weights/send_gbps"),
+        "accept_wait_s": _median(steady, "weights/accept_wait_s"),
+        "pause_phases_ms": {k.split("/")[-1][:-2]: _median(per_update, k, 1e3) for k in phases},
+        "loop_lag_max_ms": _median(steady, "orchestrator/loop_lag_max_ms"),
         "weight_bytes": steady[-1].get("weights/bytes"),
         "train_tok_s": _median(steady, "tokens_per_s"),
         "steps_per_hour": 3600.0 / statistics.median(intervals),
@@ -197,6 +211,8 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-6)
+    p.add_argument("--router-replay", action="store_true", help="MoE: train on the experts vLLM routed to")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share of GPU 0")
     p.add_argument("--out", type=Path, default=Path("outputs/gpu_loop"))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

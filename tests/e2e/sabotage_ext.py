@@ -4,17 +4,21 @@ success:
 - `frozen` (default): nothing is loaded (the "frozen policy" users hit when a weight sync silently fails);
 - `skip_layer`: every version's tensors of layer 1 are dropped (what a lost bucket holding that layer leaves, whatever
   the transport's bucket sizes), so the layer keeps the weights vLLM started with;
-- `swap_layers`: layers 0 and 1 receive each other's weights.
+- `swap_layers`: layers 0 and 1 receive each other's weights;
+- `slow`: nothing is broken, every version is received `SLIPSTREAM_SABOTAGE_SLOW_S` seconds (default 3) late: a
+  transfer stays in flight long enough for a test to kill vLLM in its middle.
 """
 
 import os
 import re
+import time
 
 from slipstream.inference.transfer_engine import SlipstreamWeightTransferEngine
 
 MODE = os.environ.get("SLIPSTREAM_SABOTAGE", "frozen")
 SKIPPED = re.compile(r"\.layers\.1\.")
 _load = SlipstreamWeightTransferEngine._load
+_receive = SlipstreamWeightTransferEngine.receive_weights
 
 
 def _receive_nothing(self, update_info) -> None:
@@ -25,6 +29,11 @@ def _load_skipping(self, pairs) -> None:
     kept = [(name, tensor) for name, tensor in pairs if not SKIPPED.search(name)]
     if kept:
         _load(self, kept)
+
+
+def _receive_late(self, update_info) -> None:
+    time.sleep(float(os.environ.get("SLIPSTREAM_SABOTAGE_SLOW_S", "3")))
+    _receive(self, update_info)
 
 
 def _swap(name: str) -> str:
@@ -43,8 +52,10 @@ elif MODE == "skip_layer":
 elif MODE == "swap_layers":
     SlipstreamWeightTransferEngine._load = _load_swapped
     SlipstreamWeightTransferEngine._load_wire = lambda self, bucket, wire: False
+elif MODE == "slow":
+    SlipstreamWeightTransferEngine.receive_weights = _receive_late
 else:
-    raise ValueError(f"SLIPSTREAM_SABOTAGE={MODE!r}: use frozen, skip_layer or swap_layers")
+    raise ValueError(f"SLIPSTREAM_SABOTAGE={MODE!r}: use frozen, skip_layer, swap_layers or slow")
 
 
 class FrozenWeightLoader:

@@ -1,6 +1,7 @@
 """`slipstream rl` with vLLM's GPU build on 2 GPUs (vLLM on GPU 0, the trainer on GPU 1, weights over NCCL): tiny
 dense and MoE models train 3 steps with every calibrated weight check passing, broken loads (a layer dropped, two
-layers swapped) stop the run, router replay takes the experts vLLM routed to, and a multi-turn tool environment runs.
+layers swapped) stop the run, router replay takes the experts vLLM routed to, a multi-turn tool environment runs, vLLM
+killed in the middle of an NCCL transfer is restarted and the version sent again, and LoRA adapters load into vLLM.
 
 Not run in CI (marked gpu; needs vLLM's GPU build: the README's GPU section). `SLIPSTREAM_GPU_MODELS` (a
 comma-separated list of model folders, e.g. SmolLM2-135M-Instruct imported from its GGUF, or a random-weight model of
@@ -10,14 +11,18 @@ a real shape) runs the broken-load tests on those models instead of the tiny one
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.e2e.helpers import free_port, tiny_rl_config, write_config
+from tests.e2e.test_weight_transfer import MAX_STEPS as KILL_STEPS
+from tests.e2e.test_weight_transfer import _freeze_mid_transfer, _vllm_tree
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,10 +49,14 @@ def _config(model_dir: Path, out: Path, max_steps: int, **sections) -> dict:
     return config
 
 
-def _run(config: dict, tmp_path: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+def _command(config: dict, tmp_path: Path, env: dict | None = None) -> tuple[list[str], dict]:
     path = write_config(tmp_path / "rl.toml", config)
     env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}:{os.environ.get('PYTHONPATH', '')}", **(env or {})}
-    cmd = [sys.executable, "-m", "slipstream", "rl", "-c", str(path)]
+    return [sys.executable, "-m", "slipstream", "rl", "-c", str(path)], env
+
+
+def _run(config: dict, tmp_path: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd, env = _command(config, tmp_path, env)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
 
 
@@ -71,6 +80,33 @@ def test_tiny_models_train_with_every_check_passing(family, tiny_model_factory, 
     metrics = _read(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert metrics[0]["mismatch_kl"] < 1e-2, metrics[0]  # vLLM's bf16 sampling vs the trainer's bf16 log-probs
+
+
+@pytest.fixture(scope="module")
+def qwen3_06b_shape(tiny_model_factory, tmp_path_factory) -> Path:
+    """A random bf16 model of Qwen3-0.6B's shape (596M parameters, 1.19 GB) with the tiny tokenizer: weights larger
+    than what NCCL buffers between two GPUs, so a send waits for its receiver (the tiny model's fit in the buffers)."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tiny, out = tiny_model_factory("qwen3"), tmp_path_factory.mktemp("qwen3_06b_shape")
+    config = json.loads((tiny / "config.json").read_text())
+    config.update(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096,
+    )  # fmt: skip
+    config.pop("layer_types", None)
+    for f in tiny.iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(".safetensors"):
+            shutil.copy(f, out / f.name)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(config.pop("model_type"), **config), dtype=torch.bfloat16
+        )
+    model.save_pretrained(out)
+    return out
 
 
 def _broken_models(tiny_model_factory) -> list[Path]:
@@ -120,3 +156,58 @@ def test_a_multi_turn_tool_environment_trains(tiny_model_factory, tmp_path):
     assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n{_logs(out)}"
     checks = [c for c in _read(out / "weight_checks.jsonl") if c["kind"] == "update"]
     assert checks and all(c["passed"] for c in checks), checks
+
+
+def test_vllm_killed_mid_transfer_is_restarted_and_the_version_sent_again(qwen3_06b_shape, tmp_path):
+    """NCCL does not notice a receiver that died inside a node: the trainer's pending broadcasts would wait for it until
+    the group's timeout. The orchestrator restarts vLLM and accepts the version for the new session; the trainer sees
+    that, aborts the old group and sends the version again (trainer/send_watch.py). Each version reaches vLLM's engine
+    3 s late (sabotage `slow`), so the test can catch a transfer in flight."""
+    out = tmp_path / "run"
+    config = _config(qwen3_06b_shape, out, KILL_STEPS)
+    config["trainer"]["optim"]["lr"] = 3e-6
+    config["launch"] |= {"inference_restarts": 2, "inference_restart_backoff_s": 0.5}
+    config["orchestrator"]["recovery"] = {"timeout_s": 600, "backoff_max_s": 2}
+    config["inference"]["extra_args"] = ["--worker-extension-cls", "tests.e2e.sabotage_ext.FrozenWeightLoader"]
+    cmd, env = _command(config, tmp_path, {"SLIPSTREAM_SABOTAGE": "slow", "SLIPSTREAM_SABOTAGE_SLOW_S": "3"})
+    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        frozen = _freeze_mid_transfer(out, launcher, time.monotonic() + 600)
+        killed = time.monotonic()
+        for proc in _vllm_tree(launcher.pid):
+            os.kill(proc.pid, signal.SIGKILL)
+        stdout, stderr = launcher.communicate(timeout=800)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 0, f"stdout:\n{stdout}\nstderr:\n{stderr[-3000:]}\n{_logs(out)}"
+    metrics = _read(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, KILL_STEPS + 1))
+    attempts = {m["step"]: m["weights/send_attempts"] for m in metrics}
+    assert attempts[frozen] == 2, attempts
+    assert f"sending the weights of step {frozen} failed" in (out / "logs" / "trainer.log").read_text()
+    checks = [c for c in _read(out / "weight_checks.jsonl") if c["kind"] == "update"]
+    assert all(c["passed"] for c in checks) and checks[-1]["step"] == KILL_STEPS, checks
+    assert [c["step"] for c in checks if c["after_restart"]] == [frozen], checks
+    print(f"vLLM killed mid-transfer of step {frozen}: run finished {time.monotonic() - killed:.0f}s after the kill")
+
+
+def test_lora_adapters_load_into_vllm_on_gpu(tiny_model_factory, tmp_path):
+    out = tmp_path / "run"
+    config = _config(tiny_model_factory("qwen3"), out, 3)
+    config["model"]["lora"] = {"rank": 8, "alpha": 16.0, "name": "tiny-lora"}
+    config["trainer"]["optim"]["lr"] = float(os.environ.get("SLIPSTREAM_GPU_LORA_LR", "2e-2"))
+    config["weights"]["keep_weights"] = 3  # every version's probe.json stays, for the report below
+    proc = _run(config, tmp_path)
+    checks = [c for c in _read(out / "weight_checks.jsonl") if c["kind"] == "update"]
+    for check in checks:  # what inference served against what the trainer published, per token
+        probe = out / "weights" / f"step_{check['step']}" / "probe.json"
+        trainer = json.loads(probe.read_text())["logprobs"] if probe.exists() else None
+        print(
+            f"LoRA step {check['step']}: max diff {check['max_abs_diff']:.3g}, inference {check['inference_logprobs']}"
+        )
+        print(f"LoRA step {check['step']}: trainer {trainer}")
+    assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n{_logs(out)}"
+    assert checks and all(c["passed"] for c in checks) and checks[-1]["step"] == 3, checks
+    assert (out / "weights" / "step_3" / "adapter_model.safetensors").exists()

@@ -47,3 +47,11 @@ def test_missing_token_refuses_to_start(monkeypatch):
     monkeypatch.delenv("SLIPSTREAM_ADMIN_TOKEN", raising=False)
     with pytest.raises(RuntimeError, match="SLIPSTREAM_ADMIN_TOKEN is not set"):
         AdminTokenMiddleware(Starlette())
+
+
+def test_admin_replies_say_how_long_the_server_took(client):
+    from slipstream.inference.admin_token import HANDLED_MS_HEADER
+
+    reply = client.post("/pause", headers=admin_headers("s3cret"))
+    assert reply.status_code == 200 and 0 <= float(reply.headers[HANDLED_MS_HEADER]) < 5000
+    assert HANDLED_MS_HEADER not in client.post("/health").headers  # inference routes are left as they are

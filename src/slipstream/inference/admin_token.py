@@ -8,6 +8,12 @@ import secrets
 
 TOKEN_ENV = "SLIPSTREAM_ADMIN_TOKEN"
 HEADER = "X-Slipstream-Admin-Token"  # its own header, so it never collides with vLLM's --api-key Bearer token
+HANDLED_MS_HEADER = "X-Slipstream-Handled-Ms"
+"""Reply header of every admin call (inference/auth.py): milliseconds from the request's arrival at the server to its
+reply, so the orchestrator can tell the server's time on a call (a pause, a load) from the time spent reaching it."""
+LOOP_LAG_MS_HEADER = "X-Slipstream-Loop-Lag-Ms"
+"""Reply header of every admin call: the server's event loop, its worst lateness (ms) since the admin call before
+(utils/loop_lag.py); a busy loop delays the admin calls of a weight update as it delays streamed tokens."""
 
 
 def admin_headers(token: str | None = None) -> dict[str, str]:

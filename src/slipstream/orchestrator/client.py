@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -45,6 +45,11 @@ class WeightLoad:
     prefix_cache_reset: bool
     """Whether /reset_prefix_cache freed the cache. vLLM refuses while requests hold blocks (always the case
     with requests in flight); correctness does not depend on it, new requests carry a per-version cache_salt."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds of each admin call of the load (`pause`, `init`, `start`, `transfer`, `finish`, `reset`, `resume`;
+    with several engines the slowest engine's), so a slow update says where its time went; `<call>_server`: the part
+    the server itself spent on it (the rest is the way there and back, both event loops included);
+    `server_loop_lag`: the server's event loop, its worst lateness since the update before (while it streamed)."""
 
 
 class InferenceClient(GenerationClient):
@@ -202,35 +207,54 @@ class InferenceClient(GenerationClient):
         """
         start = time.perf_counter()
         engines = self.admin_clients
+        phases: dict[str, float] = {}
         try:
             await asyncio.gather(*(e.post("/pause", params={"mode": "keep", "clear_cache": "false"}) for e in engines))
+            phases["pause"] = time.perf_counter() - start
+            for key, phase in (("/pause", "pause_server"), ("/pause loop lag", "server_loop_lag")):
+                if values := [e.server_seconds.pop(key) for e in engines if key in e.server_seconds]:
+                    phases[phase] = max(values)  # loop lag: the worst since the last update's calls (generation)
             if on_paused is not None:
+                accepted = time.perf_counter()
                 on_paused()
-            resets = await asyncio.gather(
+                phases["on_paused"] = time.perf_counter() - accepted
+            loads = await asyncio.gather(
                 *(
                     e._load_paused(version, update_info, self._engine_init_info(init_info, i))
                     for i, e in enumerate(engines)
                 )
             )
+            for _, engine_phases in loads:
+                for name, seconds in engine_phases.items():
+                    phases[name] = max(phases.get(name, 0.0), seconds)
             if before_resume is not None:
                 before_resume()
         finally:
+            resumed = time.perf_counter()
             results = await asyncio.gather(*(e.post("/resume") for e in engines), return_exceptions=True)
+            phases["resume"] = time.perf_counter() - resumed
             if errors := [r for r in results if isinstance(r, BaseException)]:
                 raise errors[0]
-        return WeightLoad(seconds=time.perf_counter() - start, prefix_cache_reset=all(resets))
+        reset = all(r for r, _ in loads)
+        return WeightLoad(seconds=time.perf_counter() - start, prefix_cache_reset=reset, phases=phases)
 
     async def load_lora_adapter(
-        self, name: str, path: str, before_resume: Callable[[], None] | None = None
+        self,
+        name: str,
+        path: str,
+        before_resume: Callable[[], None] | None = None,
+        on_paused: Callable[[], None] | None = None,
     ) -> WeightLoad:
         """Serve the LoRA adapter folder `path` as model `name` (`--enable-lora`), replacing the adapter of that name
-        in place, with in-flight requests frozen: /pause (keep), /v1/load_lora_adapter (load_inplace),
+        in place, with in-flight requests frozen: /pause (keep), `on_paused`, /v1/load_lora_adapter (load_inplace),
         /reset_prefix_cache, `before_resume` (only if all succeeded), /resume. From then on requests name `name`."""
         start = time.perf_counter()
         engines = self.admin_clients
         body = {"lora_name": name, "lora_path": path, "load_inplace": True}
         try:
             await asyncio.gather(*(e.post("/pause", params={"mode": "keep", "clear_cache": "false"}) for e in engines))
+            if on_paused is not None:
+                on_paused()
             await asyncio.gather(*(e.post("/v1/load_lora_adapter", json=body, text_reply=True) for e in engines))
             resets = await asyncio.gather(*(e.post("/reset_prefix_cache") for e in engines))
             for client in (self, *self.engines):
@@ -244,15 +268,32 @@ class InferenceClient(GenerationClient):
         reset = all(bool((r or {}).get("success", False)) if isinstance(r, dict) else False for r in resets)
         return WeightLoad(seconds=time.perf_counter() - start, prefix_cache_reset=reset)
 
-    async def _load_paused(self, version: int, update_info: dict[str, Any], init_info: dict[str, Any] | None) -> bool:
-        """The load itself on one paused engine; whether its prefix cache was reset."""
+    async def _load_paused(
+        self, version: int, update_info: dict[str, Any], init_info: dict[str, Any] | None
+    ) -> tuple[bool, dict[str, float]]:
+        """The load itself on one paused engine: whether its prefix cache was reset, and each call's seconds."""
+        phases: dict[str, float] = {}
+        last = time.perf_counter()
+
+        def lap(name: str, path: str) -> None:
+            nonlocal last
+            now = time.perf_counter()
+            phases[name], last = now - last, now
+            if path in self.server_seconds:  # the server's own part (inference/auth.py's reply header)
+                phases[f"{name}_server"] = self.server_seconds.pop(path)
+
         if init_info is not None:
             await self.post("/init_weight_transfer_engine", json={"init_info": init_info})
+            lap("init", "/init_weight_transfer_engine")
         await self._start_weight_update(version)
+        lap("start", "/start_weight_update")
         await self.post("/update_weights", json={"update_info": update_info})
+        lap("transfer", "/update_weights")
         await self.post("/finish_weight_update", json={"weight_version": str(version)})
+        lap("finish", "/finish_weight_update")
         reset = await self.post("/reset_prefix_cache")
-        return bool((reset or {}).get("success", False))
+        lap("reset", "/reset_prefix_cache")
+        return bool((reset or {}).get("success", False)), phases
 
     def _engine_init_info(self, init_info: dict[str, Any] | None, index: int) -> dict[str, Any] | None:
         """A broadcast session's init_info for engine `index`: its ranks follow those of the engines before it."""

@@ -26,6 +26,7 @@ from slipstream.rollout.record import Rollout
 from slipstream.rundir import RunDir, step_dirs
 from slipstream.transport.checkpoints import is_checkpoint_step, resolve_run_step
 from slipstream.transport.weights import is_ready
+from slipstream.utils.loop_lag import LoopLag
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +53,22 @@ async def orchestrate(config: OrchestratorConfig) -> dict[str, float]:
         pipeline = RolloutPipeline(client, env, sampler, relay, config)
         start_step = await maybe_resume(pipeline, relay, config)
         monitors = Monitors(config, "orchestrator")
+        lag = LoopLag()
+        sampling = asyncio.ensure_future(lag.run())
         try:
             async with pipeline.running():
                 for step in range(start_step + 1, config.max_steps + 1):
                     rollouts, metrics = await pipeline.next_batch(step)
                     metrics.update(assign_advantages(step, rollouts, config))
+                    metrics.update(lag.take_metrics("orchestrator"))
                     maybe_checkpoint(step, pipeline, config)
-                    write_step(step, rollouts, config, metrics)
+                    # packing and the fsynced writes off the event loop, where they held up streamed tokens and
+                    # the admin calls of weight updates (utils/loop_lag.py measures it)
+                    await asyncio.to_thread(write_step, step, rollouts, config, metrics)
                     log.info(progress_line(step, config.max_steps, metrics))
                     monitors.log(step, {**metrics, **pipeline.counters()})
         finally:
+            sampling.cancel()
             monitors.close()
         summary = {**pipeline.counters(), "pipeline/abandoned_groups": float(pipeline.ledger.num_abandoned)}
         log.info(

@@ -7,6 +7,8 @@ first broadcast and again whenever inference is a new instance (a restart loses 
 to the workers in /init_weight_transfer_engine and to the trainer in the version's ACCEPT marker.
 """
 
+import os
+import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +25,10 @@ from slipstream.transport.weight_offers import (
     write_accept,
 )
 from slipstream.transport.weights import is_ready, weights_dir
+from slipstream.utils.fs import fsync_dir
+
+SERVING_DIR = "serving"
+"""`<output_dir>/serving/<adapter name>`: a symbolic link to the adapter version inference serves (LoRA runs)."""
 
 
 @dataclass
@@ -56,8 +62,11 @@ class WeightLoader:
         if self.lora_name is not None:
             if not is_ready(self.output_dir, version):
                 raise FileNotFoundError(f"{weights_dir(self.output_dir, version)} is not complete on disk (READY)")
-            path = str(weights_dir(self.output_dir, version))
-            return await self.client.load_lora_adapter(self.lora_name, path, before_resume=before_resume)
+            link = serving_link(self.output_dir, self.lora_name)
+            target = weights_dir(self.output_dir, version).resolve()
+            return await self.client.load_lora_adapter(
+                self.lora_name, str(link), before_resume=before_resume, on_paused=lambda: point_link(link, target)
+            )
         if not self.by_broadcast(version):
             if not is_ready(self.output_dir, version):
                 raise FileNotFoundError(
@@ -101,3 +110,21 @@ class WeightLoader:
             "senders": senders,
             "timeout_s": 600.0,
         }
+
+
+def serving_link(output_dir: Path, name: str) -> Path:
+    """The stable path a LoRA adapter is served from: vLLM keeps the path of the load a request started under and,
+    for an adapter loaded in place, reads that path again at every engine step while the request runs, so requests in
+    flight across an update would load the version they started with back over the new one. With every version
+    served from one path (this link, switched while inference is paused), any re-read gets the current version."""
+    return Path(output_dir).resolve() / SERVING_DIR / re.sub(r"[^A-Za-z0-9._-]", "_", name)
+
+
+def point_link(link: Path, target: Path) -> None:
+    """Make `link` a symbolic link to `target`, atomically (a new link renamed over the old one)."""
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    os.symlink(target, tmp, target_is_directory=True)
+    os.replace(tmp, link)
+    fsync_dir(link.parent)

@@ -225,6 +225,9 @@ class WeightRelay:
         m["timing/weight_update_s"] = m.get("timing/weight_update_s", 0.0) + time.perf_counter() - start
         # what in-flight requests waited: the pause until the resume (new ones also wait for the check)
         m["timing/weight_pause_s"] = m.get("timing/weight_pause_s", 0.0) + load.seconds
+        for phase, seconds in load.phases.items():  # where the pause went (client.WeightLoad.phases)
+            key = f"timing/weight_pause/{phase}_s"
+            m[key] = m.get(key, 0.0) + seconds
         m["weights/num_updates"] = m.get("weights/num_updates", 0.0) + 1
         m["weights/prefix_cache_reset"] = min(m.get("weights/prefix_cache_reset", 1.0), float(load.prefix_cache_reset))
         if check is not None:

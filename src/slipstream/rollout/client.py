@@ -20,7 +20,7 @@ from typing import Any, Self
 import httpx
 
 from slipstream.config.inference_deployment import SESSION_HEADER
-from slipstream.inference.admin_token import admin_headers
+from slipstream.inference.admin_token import HANDLED_MS_HEADER, LOOP_LAG_MS_HEADER, admin_headers
 from slipstream.inference.instance import INSTANCE_HEADER
 
 
@@ -74,6 +74,9 @@ class GenerationClient:
         """Why the server was lost; None while it is available. Generation requests are refused while set."""
         self.on_unavailable: Callable[[InferenceUnavailable], None] = lambda error: None
         """Called whenever a call finds the server unavailable (the weight relay starts its recovery)."""
+        self.server_seconds: dict[str, float] = {}
+        """Path -> the server's own seconds on the last admin call to it (the reply's X-Slipstream-Handled-Ms);
+        "<path> loop lag" -> the server loop's worst lateness before it (X-Slipstream-Loop-Lag-Ms)."""
 
     @property
     def available(self) -> bool:
@@ -147,6 +150,12 @@ class GenerationClient:
             raise InferenceError(f"{where} failed: {type(e).__name__}: {e}") from e
         self._check_instance(response, expected, where)
         self._check_refusal(path, response, where)
+        for header, key in ((HANDLED_MS_HEADER, path), (LOOP_LAG_MS_HEADER, f"{path} loop lag")):
+            if (value := response.headers.get(header)) is not None:
+                try:
+                    self.server_seconds[key] = float(value) / 1e3
+                except ValueError:
+                    pass  # a diagnostic only
         if response.status_code >= 500:
             raise self._unavailable(f"{where} returned HTTP {response.status_code}: {response.text[:500]}")
         if response.status_code != 200:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from slipstream.config.trainer import TrainerConfig
 from slipstream.trainer.lora_export import MERGED_DIR, adapter_plan, gather_adapter, write_peft_adapter
 from slipstream.trainer.piece_send import NotDirect, PieceSender
+from slipstream.trainer.send_watch import SendWatch
 from slipstream.trainer.setup import Trainer
 from slipstream.trainer.weight_export import HFWeightStream
 from slipstream.trainer.weights import (
@@ -55,6 +56,9 @@ from slipstream.transport.weights import PROBE, READY, weights_dir
 from slipstream.utils.fs import atomic_write_text, commit_dir
 
 log = logging.getLogger(__name__)
+
+SEND_TIMEOUT_S = 600.0
+"""How long a version's broadcasts may take to complete once queued (the transfer group's timeout)."""
 
 
 def resolve_transport(transport: str, device: torch.device) -> str:
@@ -133,15 +137,17 @@ class WeightPublisher:
         t_probe = time.perf_counter()
         if self.lora is not None:
             return self._publish_adapter(step, probe) | {"weights/probe_s": t_probe - start}
+        waited = 0.0
         if self.transport == "filesystem":
             attempts = self._publish_files(step, stream, manifest, probe)
         else:
-            attempts = self._publish_broadcast(step, stream, manifest, probe)
-        seconds = time.perf_counter() - t_probe
+            attempts, waited = self._publish_broadcast(step, stream, manifest, probe)
+        seconds = time.perf_counter() - t_probe - waited
         return {
             "weights/bytes": float(manifest.nbytes),
             "weights/send_s": seconds,
             "weights/send_gbps": manifest.nbytes / max(seconds, 1e-9) / 1e9,
+            "weights/accept_wait_s": waited,
             "weights/probe_s": t_probe - start,
             "weights/send_attempts": float(attempts),
         }
@@ -181,8 +187,13 @@ class WeightPublisher:
         write_weights_folder(folder, stream, manifest, probe, self.files, self.is_main, self.buffers)
         return 1
 
-    def _publish_broadcast(self, step: int, stream: HFWeightStream, manifest: Manifest, probe: dict) -> int:
+    def _publish_broadcast(
+        self, step: int, stream: HFWeightStream, manifest: Manifest, probe: dict
+    ) -> tuple[int, float]:
+        """Offer version `step`, wait until the orchestrator accepts it, send it (again, until one session took it
+        whole). Returns (attempts, seconds waited for an accept: inference's side, not the send)."""
         folder = weights_dir(self.config.output_dir, step)
+        waited = 0.0
         files = self._keeps_files(step)
         if self.is_main:
             self._write_offer(folder, manifest, probe)
@@ -191,13 +202,17 @@ class WeightPublisher:
             attempts += 1
             accept = None
             if self.is_main:
+                asked = time.perf_counter()
                 accept = wait_for_accept(
                     self.config.output_dir, step, self.refused, self.config.weights.accept_timeout_s
                 )
+                waited += time.perf_counter() - asked
             if self.pieces is not None:
                 error = self._send_pieces(self._shared(accept), folder if files else None, manifest)
             else:
                 error = self._send_gathered(accept, stream, manifest, folder if files else None)
+            if error is None and self.group is not None:
+                error = self._await_sent(step)
             if self._agree(error is None):
                 break
             if error is not None:
@@ -214,7 +229,7 @@ class WeightPublisher:
                 self.files.write(folder, manifest, probe)
                 atomic_write_text(folder / READY, f"{step}\n")
                 make_world_readable(folder)
-        return attempts
+        return attempts, waited
 
     def _send_gathered(
         self, accept: Accept | None, stream: HFWeightStream, manifest: Manifest, folder: Path | None
@@ -224,7 +239,7 @@ class WeightPublisher:
         sender = None
         if accept is not None:
             self._join(accept)
-            sender = TolerantSink(BroadcastSink(self.group, self.trainer.device))
+            sender = TolerantSink(BroadcastSink(self.group, self.trainer.device, synchronize=False))
             sinks.append(sender)
             if folder is not None:
                 sinks.append(SafetensorsSink(folder, len(manifest.buckets)))
@@ -243,6 +258,21 @@ class WeightPublisher:
             self.group = None
             return e
         return None
+
+    def _await_sent(self, step: int) -> BaseException | None:
+        """CUDA: wait until this rank's broadcasts of `step` have completed, aborting the group if the orchestrator
+        took the version in another session meanwhile (trainer/send_watch.py). gloo's sends have completed already."""
+        if self.trainer.device.type != "cuda":
+            return None
+        assert self.session is not None  # set with the group by _join
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.trainer.device))  # it waits for every send of the version
+
+        def abort() -> None:
+            close_group(self.group)  # NCCL: aborting the communicator ends its pending broadcasts
+            self.group = None
+
+        return SendWatch(self.config.output_dir, step, self.session, SEND_TIMEOUT_S).wait(done.query, abort)
 
     def _shared(self, accept: Accept | None) -> Accept:
         """Rank 0's accepted session, on every rank."""

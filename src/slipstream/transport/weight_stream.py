@@ -303,16 +303,18 @@ class SafetensorsSink:
 
 
 class BroadcastSink:
-    """Broadcasts each bucket as one flat buffer from rank 0 of `group` (a torch ProcessGroup: NCCL or gloo)."""
+    """Broadcasts each bucket as one flat buffer from rank 0 of `group` (a torch ProcessGroup: NCCL or gloo). On CUDA
+    the broadcasts are queued (the current stream waits for them); `close` waits for them on the host unless
+    `synchronize` is false (the caller waits in its own way: trainer/send_watch.py)."""
 
-    def __init__(self, group: "torch.distributed.ProcessGroup", device: torch.device) -> None:
-        self.group, self.device = group, device
+    def __init__(self, group: "torch.distributed.ProcessGroup", device: torch.device, synchronize: bool = True) -> None:
+        self.group, self.device, self.synchronize = group, device, synchronize
 
     def send(self, index: int, bucket: Bucket, flat: torch.Tensor) -> None:
         broadcast(self.group, flat.to(self.device))
 
     def close(self) -> None:
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.synchronize:
             torch.cuda.current_stream(self.device).synchronize()
 
 
