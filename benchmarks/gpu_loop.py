@@ -44,6 +44,8 @@ def rl_config(model: str, out: Path, steps: int, async_level: int, args: argpars
         inference["enable_return_routed_experts"] = True
     if args.gpu_memory_utilization is not None:
         inference["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.stream_interval > 1:
+        inference["stream_interval"] = args.stream_interval
     return {
         "max_steps": steps,
         "output_dir": str(out),
@@ -188,7 +190,7 @@ def baseline(model: str, args: argparse.Namespace) -> dict:
     port = free_port()
     config = InferenceConfig(
         model=ModelConfig(name=model, dtype="bfloat16"), port=port, max_model_len=1024, max_num_seqs=256,
-        enforce_eager=False, device="cuda",
+        enforce_eager=False, device="cuda", stream_interval=args.stream_interval,
     )  # fmt: skip
     env = build_vllm_env(config) | {"CUDA_VISIBLE_DEVICES": "0", "SLIPSTREAM_ADMIN_TOKEN": "benchmark"}
     argv = build_vllm_argv(config, Path(model))
@@ -213,6 +215,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-6)
     p.add_argument("--router-replay", action="store_true", help="MoE: train on the experts vLLM routed to")
     p.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share of GPU 0")
+    p.add_argument("--stream-interval", type=int, default=1, help="inference.stream_interval (tokens per chunk)")
     p.add_argument("--out", type=Path, default=Path("outputs/gpu_loop"))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -52,6 +52,7 @@ SHAPES = {
     "expert parallel": (list(range(8)), {"inference": {"enable_expert_parallel": True}}, 1, 4),
     "CPU": ([], {"model": {"name": "Qwen/Qwen3-0.6B", "dtype": "float32"}}, 1, 1),
     "router replay": ([0, 1], {"inference": {"enable_return_routed_experts": True}}, 1, 1),
+    "stream interval": ([0, 1], {"inference": {"stream_interval": 8}}, 1, 1),
 }
 
 
@@ -80,6 +81,8 @@ def test_vllm_parses_our_command_line(shape):
     assert engine.enable_expert_parallel == sections.get("inference", {}).get("enable_expert_parallel", False)
     routed = sections.get("inference", {}).get("enable_return_routed_experts", False)
     assert engine.enable_return_routed_experts == routed
+    assert engine.stream_interval == sections.get("inference", {}).get("stream_interval", 1)
+    assert ("--stream-interval" in argv) == ("stream_interval" in sections.get("inference", {}))
 
 
 def test_a_flag_vllm_does_not_know_fails():

@@ -45,6 +45,8 @@ def build_vllm_argv(config: InferenceConfig, model_path: Path) -> list[str]:
         argv += ["--data-parallel-size", str(config.data_parallel_size)]
     if config.enforce_eager:
         argv.append("--enforce-eager")
+    if config.stream_interval > 1:
+        argv += ["--stream-interval", str(config.stream_interval)]
     if config.chunked_prefill is not None:
         argv.append("--enable-chunked-prefill" if config.chunked_prefill else "--no-enable-chunked-prefill")
     if config.enable_return_routed_experts:

@@ -6,8 +6,10 @@ relay switches the stamped version after /pause (keep) returned and the new weig
 vLLM freezes decode while paused and flushes the outputs it already produced before /pause returns
 (AsyncLLM.pause_generation), so tokens arriving during the pause window are old-version tokens, and tokens decoded
 after /resume arrive after the switch. A token is misattributed only if its delivery takes longer than the whole
-pause window (pause + load + cache reset). The KV cache of a request's earlier tokens stays the old policy's; its
-later tokens are still stamped with the new version (the in-flight-update approximation every async RL system makes).
+pause window (pause + load + cache reset), or if vLLM gathers several tokens a chunk (`inference.stream_interval`):
+tokens still gathered when the pause comes arrive after it, at most `stream_interval - 1` per completion and update.
+The KV cache of a request's earlier tokens stays the old policy's; its later tokens are still stamped with the new
+version (the in-flight-update approximation every async RL system makes).
 """
 
 from collections.abc import Callable
