@@ -12,7 +12,7 @@ QUICK_E2E := tests/e2e/test_rl_tiny.py::test_three_steps_with_verified_weight_up
 N ?= 3
 TESTS ?= tests/e2e
 
-.PHONY: setup demo test test-quick test-unit test-e2e flake-hunt lint format
+.PHONY: setup demo test test-quick test-unit test-e2e flake-hunt lint format docs
 
 $(STAMP): pyproject.toml
 	@# bubblewrap isolates tool/code execution (src/slipstream/sandbox); installed when we can (root + apt)
@@ -69,3 +69,9 @@ lint: setup
 format: setup
 	$(PY) -m ruff format src tests $(wildcard benchmarks)
 	$(PY) -m ruff check --fix src tests $(wildcard benchmarks)
+
+# The documentation site (docs/ -> site/): the configuration reference regenerated from the configs, then a strict
+# build (broken links fail); `$(VENV)/bin/mkdocs serve` serves it while you edit
+docs: setup
+	$(PY) -m slipstream.config_reference
+	$(PY) -m mkdocs build --strict

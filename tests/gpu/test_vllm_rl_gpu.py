@@ -3,7 +3,7 @@ dense and MoE models train 3 steps with every calibrated weight check passing, b
 layers swapped) stop the run, router replay takes the experts vLLM routed to, a multi-turn tool environment runs, vLLM
 killed in the middle of an NCCL transfer is restarted and the version sent again, and LoRA adapters load into vLLM.
 
-Not run in CI (marked gpu; needs vLLM's GPU build: the README's GPU section). `SLIPSTREAM_GPU_MODELS` (a
+Not run in CI (marked gpu; needs vLLM's GPU build: docs/gpu.md). `SLIPSTREAM_GPU_MODELS` (a
 comma-separated list of model folders, e.g. SmolLM2-135M-Instruct imported from its GGUF, or a random-weight model of
 a real shape) runs the broken-load tests on those models instead of the tiny one: they must fail on every model.
 """

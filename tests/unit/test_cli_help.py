@@ -53,3 +53,11 @@ def test_the_keys_a_prefix_match_used_to_swallow_are_listed(capsys):
     assert "--trainer.model_impl  (one of {'auto', 'custom', 'hf'}, default 'auto')" in text
     assert "--orchestrator.seed  " not in text and "--trainer.model.name" not in text  # set at the top level
     assert type_label(typing.Literal["a", "b"] | None) == "one of {'a', 'b'} | None"
+
+
+def test_help_shows_the_defaults_a_section_is_given(capsys):
+    """SFT's `optim = OptimConfig(lr=2e-5)`: its lr default is 2e-5, not OptimConfig's own 1e-6."""
+    cli_main(["sft", "--help"])
+    text = capsys.readouterr().out
+    assert "--optim.lr  (float, default 2e-05)" in text
+    assert "--optim.eps  (float, default 1e-08)" in text

@@ -239,16 +239,23 @@ def _model_of(annotation: Any) -> Any:
     return None
 
 
-def describe_fields(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str]]:
-    """(option, type/default, doc) for every leaf field, for `--help`."""
+def describe_fields(cls: type[BaseModel], prefix: str = "", defaults: Any = None) -> list[tuple[str, str, str]]:
+    """(option, type/default, doc) for every leaf field, for `--help`. `defaults`: the instance a parent's default
+    holds, whose values win over the class's own (SFT's `optim = OptimConfig(lr=2e-5)`)."""
     rows: list[tuple[str, str, str]] = []
     for name, field in cls.model_fields.items():
         sub = _model_of(field.annotation)
         key = f"{prefix}{name}"
+        value = getattr(defaults, name) if isinstance(defaults, BaseModel) else None
         if sub is not None:
-            rows.extend(describe_fields(sub, f"{key}."))
+            if value is None and not field.is_required():
+                value = field.get_default(call_default_factory=True)
+            rows.extend(describe_fields(sub, f"{key}.", value))
             continue
-        default = "required" if field.is_required() else f"default {field.get_default(call_default_factory=True)!r}"
+        if isinstance(defaults, BaseModel):
+            default = f"default {value!r}"
+        else:
+            default = "required" if field.is_required() else f"default {field.get_default(call_default_factory=True)!r}"
         rows.append(
             (f"--{key}", f"{type_label(field.annotation)}, {default}", " ".join((field.description or "").split()))
         )

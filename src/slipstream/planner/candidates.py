@@ -58,7 +58,7 @@ class PlanSettings(BaseConfig):
     weights_poll_s: float = Field(0.1, gt=0)
     """orchestrator.weights_poll_s."""
     weight_stream_bytes_per_s: float = Field(710e9 / 48, gt=0)
-    """Trainer -> inference weight update across nodes: REFERENCE.md's anchor (slime: 355B bf16 in 48 s)."""
+    """Trainer -> inference weight update across nodes: slime's published rate (355B bf16 parameters in 48 s)."""
     weight_check_s: float = Field(1.0, ge=0)
     """The probe check after each load (assumed)."""
     batch_write_s: float = Field(1.0, ge=0)

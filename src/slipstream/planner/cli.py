@@ -36,7 +36,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=float,
         default=710 / 48,
         help="trainer -> inference weight update rate in GB/s; inference is paused meanwhile (default: %(default).1f, "
-        "REFERENCE.md's anchor: slime, 355B bf16 in 48 s)",
+        "slime's published rate: 355B bf16 parameters in 48 s)",
     )
     p.add_argument("--target-step-s", type=float, help="mark candidates whose step takes at most this long")
     p.add_argument("--steps", type=int, default=24, help="steps simulated per candidate (default: %(default)s)")

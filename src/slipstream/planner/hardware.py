@@ -15,7 +15,7 @@ class GpuSpec(BaseConfig):
     name: str
     """h100 or h200."""
     peak_bf16_flops: float = Field(gt=0)
-    """Dense bf16 peak (REFERENCE.md: 989e12 for both)."""
+    """Dense bf16 peak (the published figure, 989e12, for both SXM parts)."""
     memory_gib: float = Field(gt=0)
     """Memory torch can use."""
     hbm_bytes_per_s: float = Field(gt=0)
@@ -169,7 +169,7 @@ GLM5_ASSUMED = ModelShape(
     attention="sparse",
     sparse_top_k=2048,
 )
-"""GLM-5 as the README's worked example assumes it. Built to match published figures (744B total / 40B active
+"""GLM-5 as the planner's worked example (docs/planner.md) assumes it. Built to match published figures (744B total / 40B active
 parameters, DeepSeek-style sparse attention); everything else is an assumption chosen to reproduce those totals:
 78 layers (3 dense), hidden 6144, 256 routed experts of width 2048 (top 8) + 1 shared, attention projections
 counted as GQA 96/8 heads of 128, and an MLA-style latent KV cache of 576 values per token and layer."""

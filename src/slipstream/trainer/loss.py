@@ -1,4 +1,4 @@
-"""Token-level RL losses (REFERENCE.md): DPPO binary TV mask (default), truncated IS, IcePop and a geometric
+"""Token-level RL losses (docs/algorithm.md): DPPO binary TV mask (default), truncated IS, IcePop and a geometric
 sequence mask, each plus the squared log-ratio penalty and normalised by the step's loss-token count.
 
 Legend: T = tokens of a packed micro-batch, S = sample slots (one per token; sample s uses slot s).

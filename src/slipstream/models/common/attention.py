@@ -51,7 +51,8 @@ else:
     if "enable_gqa" in _params:
         _VARLEN_KWARGS["enable_gqa"] = True
 
-# cuDNN's fused attention is the fastest causal kernel on Hopper (REFERENCE.md); flash and memory-efficient follow.
+# cuDNN's fused attention is the fastest causal kernel on Hopper (benchmarks/RESULTS.md); flash and memory-efficient
+# follow.
 _CAUSAL_BACKENDS = [
     SDPBackend.CUDNN_ATTENTION,
     SDPBackend.FLASH_ATTENTION,
