@@ -1,4 +1,4 @@
-"""The plain-transformers MoE anchor's RL step (../shared/anchors/hf_moe/hf_moe_baseline.py: the same Qwen3-30B-A3B
+"""The plain-transformers MoE anchor's RL step ($HF_MOE_ANCHOR: the same Qwen3-30B-A3B
 shape cut to LAYERS layers, pure bf16 weights and AdamW states, full activation checkpointing, chunked log-probs,
 the same policy-gradient loss) on ROWS independent samples of SEQ / ROWS tokens each, one per batch row: what a
 plain-transformers user runs for a batch of equal-length samples, since the anchor itself takes one sequence.

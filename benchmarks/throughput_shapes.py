@@ -8,7 +8,7 @@ from slipstream.models.qwen3_5_moe.delta_rule import CHUNK_SIZE as DELTA_RULE_CH
 PEAK_FLOPS = 989e12
 """Dense bf16 peak of an H100/H200 SXM."""
 MOE_MODELS = {"qwen3-30b-a3b-4l": 4, "qwen3-30b-a3b-8l": 8}
-"""Qwen3-30B-A3B's shape cut to this many layers (the anchor's, /work/shared/anchors/hf_moe)."""
+"""Qwen3-30B-A3B's shape cut to this many layers (the plain-transformers MoE anchor's cut)."""
 DSA_MODELS = {"glm5-cut": 2}
 """GLM-5's shape (MLA + DSA attention, top-2048 keys; 256 experts, top-8, a shared expert) cut to fit one GPU: this
 many layers (the first dense, the others MoE) and 32 routed experts per MoE layer."""

@@ -3,7 +3,7 @@
     python benchmarks/trainer_throughput.py --model qwen3-0.6b --seq-len 16384 --impl custom --compare-hf
     python benchmarks/trainer_throughput.py --model tiny --device cpu --seq-len 512 --compare-hf
     python benchmarks/trainer_throughput.py --model qwen3-30b-a3b-4l --compare-hf \
-        --compare-anchor /work/shared/anchors/hf_moe/hf_moe_baseline.py
+        --compare-anchor $HF_MOE_ANCHOR
     python benchmarks/trainer_throughput.py --model qwen3-30b-a3b-8l --state-dtype bfloat16
     python benchmarks/trainer_throughput.py --model qwen3.5-moe-cut --seq-len 8192 --compare-hf
     python benchmarks/trainer_throughput.py --model tiny-qwen3.5-moe --device cpu --seq-len 256 --compare-hf
@@ -11,7 +11,7 @@
 
 Runs the trainer's own code (Policy, train_step, fused AdamW on float32 masters, bf16 autocast on GPUs) on one
 device. Prints tokens/s, MFU and peak memory per implementation, and last `tokens_per_s: <x> mfu: <y>` for
-`--impl` (plus `vs_hf: <ratio>` with --compare-hf). MFU uses REFERENCE.md's FLOPs/token: 6 x active matmul
+`--impl` (plus `vs_hf: <ratio>` with --compare-hf). MFU uses the usual FLOPs/token: 6 x active matmul
 parameters + 12 x layers x heads x head_dim x context, where context is the attended length per token (the mean
 sample length weighted by tokens, as packed samples never attend to each other), over the dense bf16 peak of an
 H100/H200 SXM (989e12 FLOP/s); n/a on CPU. For the MoE shapes (Qwen3-30B-A3B cut to 4 or 8 layers, every layer
@@ -24,7 +24,7 @@ shapes and this accounting live in throughput_shapes.py.
 MoE options: `--expert-loop` runs our experts one by one (the reference) instead of the default grouped GEMMs;
 `--state-dtype bfloat16` keeps AdamW's moments in bf16 (trainer/optim.py): the 8-layer cut's float32 masters,
 gradients and float32 moments alone take 83.6 GiB, more than one H100. `--compare-anchor PATH` also runs the
-plain-transformers pure-bf16 anchor script (e.g. /work/shared/anchors/hf_moe/hf_moe_baseline.py: bf16 weights and
+plain-transformers pure-bf16 anchor script (e.g. $HF_MOE_ANCHOR: bf16 weights and
 optimizer states, transformers' grouped_mm experts; MoE shapes on CUDA only) in its own process and prints
 `vs_hf_pure_bf16: <ratio>`; with `--num-samples N` > 1 pass benchmarks/moe_anchor_rows.py instead (the anchor's
 step on N batch rows, one sample each).

@@ -268,7 +268,7 @@ def test_benchmark_runs_tiny_moe_against_transformers(bench, capsys):
 
 
 def test_benchmark_moe_flops_match_the_anchor(bench, shapes):
-    """Active parameters of the Qwen3-30B-A3B cuts as /work/shared/anchors/hf_moe counts them."""
+    """Active parameters of the Qwen3-30B-A3B cuts as the plain-transformers MoE anchor counts them."""
     h, q, kv, hd, inter, k = 2048, 32, 4, 128, 768, 8
     for name, layers in (("qwen3-30b-a3b-4l", 4), ("qwen3-30b-a3b-8l", 8)):
         anchor = layers * (h * q * hd + 2 * h * kv * hd + q * hd * h + k * 3 * h * inter + h * 128) + 151936 * h

@@ -1,5 +1,5 @@
 """benchmarks/trainer_throughput.py runs on CPU with the tiny models and ends with its summary line; the FLOPs
-accounting matches REFERENCE.md for Qwen3-0.6B and counts Qwen3.5-MoE's layer types; the GPU cut shapes (glm5-cut,
+accounting matches the published figure for Qwen3-0.6B and counts Qwen3.5-MoE's layer types; the GPU cut shapes (glm5-cut,
 qwen3.5-moe-cut) build for both implementations on the meta device."""
 
 import json
