@@ -34,8 +34,10 @@ def _wait_gone(marker: str) -> list[int]:
 
 @pytest.mark.parametrize("sabotage", ["frozen", "skip_layer", "swap_layers"])
 def test_a_broken_load_stops_the_run(sabotage, tiny_qwen3_dir, tmp_path, run_env):
-    """A load that does nothing, one that drops a layer, one that swaps two layers: each is caught by the calibrated
-    check (the floor measured before the first load) and stops the run (tests/e2e/sabotage_ext.py)."""
+    """A load that does nothing, one that drops a layer, one that swaps two layers: each stops the run
+    (tests/e2e/sabotage_ext.py). The dropped layer is caught by the engine (tensors received that never reached the
+    model: transport/weight_receiver.check_loaded) before any probe; the others by the calibrated check (the floor
+    measured before the first load)."""
     marker, env = run_env
     env = {**env, "PYTHONPATH": f"{REPO_ROOT}:{env.get('PYTHONPATH', '')}", "SLIPSTREAM_SABOTAGE": sabotage}
     out = tmp_path / "run"
@@ -48,6 +50,13 @@ def test_a_broken_load_stops_the_run(sabotage, tiny_qwen3_dir, tmp_path, run_env
     proc = _run(write_config(tmp_path / "rl.toml", config), env, timeout=600)
     assert proc.returncode != 0
     assert "orchestrator exited with code 1" in proc.stderr, proc.stderr
+    if sabotage == "skip_layer":
+        assert "weight update to step 1 did not load whole on inference" in proc.stderr, proc.stderr
+        assert "model.layers.1." in proc.stderr and "never reached the model's loader" in proc.stderr, proc.stderr
+        records = [json.loads(line) for line in (out / "weight_checks.jsonl").read_text().splitlines()]
+        assert [c["kind"] for c in records] == ["calibration"]  # stopped before any probe of the load
+        assert _wait_gone(marker) == []
+        return
     assert "did not take effect on inference (policy frozen or corrupted)" in proc.stderr
     calibration, check = [json.loads(line) for line in (out / "weight_checks.jsonl").read_text().splitlines()]
     assert calibration["kind"] == "calibration" and calibration["step"] == 0

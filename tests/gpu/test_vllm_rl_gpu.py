@@ -122,6 +122,10 @@ def test_a_broken_load_stops_the_run_on_every_model(sabotage, tiny_model_factory
         config["inference"]["extra_args"] = ["--worker-extension-cls", "tests.e2e.sabotage_ext.FrozenWeightLoader"]
         proc = _run(config, tmp_path, env={"SLIPSTREAM_SABOTAGE": sabotage})
         assert proc.returncode != 0, f"{model_dir}: the run did not stop\n{_logs(out)}"
+        if sabotage == "skip_layer":  # the engine's accounting, before any probe (bf16 noise can hide the layer)
+            assert "did not load whole on inference" in proc.stderr, f"{proc.stderr[-3000:]}\n{_logs(out)}"
+            print(f"{sabotage} on {model_dir.name}: caught by the engine at step 1")
+            continue
         assert "did not take effect on inference" in proc.stderr, f"{model_dir}\n{proc.stderr[-3000:]}\n{_logs(out)}"
         records = _read(out / "weight_checks.jsonl")
         calibration = [c for c in records if c["kind"] == "calibration"]

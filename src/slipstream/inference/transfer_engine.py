@@ -29,7 +29,7 @@ from vllm.distributed.weight_transfer.base import (
 from slipstream.transport.bucket_assembly import BucketAssembler
 from slipstream.transport.collective import GroupInit
 from slipstream.transport.copy_plan import PlanMismatch, PlannedLoads
-from slipstream.transport.weight_receiver import WeightReceiver
+from slipstream.transport.weight_receiver import WeightReceiver, check_loaded
 from slipstream.transport.weight_stream import BroadcastSink, Bucket, Manifest
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,7 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
                 self._load_through_vllm()
         stats = self.receiver.receive(info, self._load, self._load_wire)
         logger.info("slipstream weight transfer: %s", stats.to_dict())
+        check_loaded(stats, self._loaded)  # every tensor received went to the model (else HTTP 500, run stops)
 
     def _load(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         self._loaded.update(name for name, _ in pairs)

@@ -23,6 +23,7 @@ from slipstream.rollout.client import (
     InferenceUnavailable,
     json_reply,
 )
+from slipstream.transport.weights import INCOMPLETE_MARKER
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,11 @@ class WeightUpdateOpen(InferenceError):
 
 
 _WEIGHT_UPDATE_OPEN = "weight update is already active"
+
+
+class WeightUpdateIncomplete(InferenceError):
+    """/update_weights refused: the engine received the version but some of its tensors never reached the model
+    (transport/weight_receiver.check_loaded); vLLM answers HTTP 500 with the engine's message. Not a lost server."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,8 @@ class InferenceClient(GenerationClient):
     def _check_refusal(self, path: str, response: httpx.Response, where: str) -> None:
         if response.status_code != 200 and path == "/start_weight_update" and _WEIGHT_UPDATE_OPEN in response.text:
             raise WeightUpdateOpen(f"{where} returned HTTP {response.status_code}: {response.text[:500]}")
+        if response.status_code != 200 and path == "/update_weights" and INCOMPLETE_MARKER in response.text:
+            raise WeightUpdateIncomplete(f"{where} returned HTTP {response.status_code}: {response.text[:1000]}")
 
     async def __aexit__(self, *exc: object) -> None:
         for engine in self.engines:

@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from slipstream.config.orchestrator import OrchestratorConfig
-from slipstream.orchestrator.client import InferenceClient
+from slipstream.orchestrator.client import InferenceClient, WeightUpdateIncomplete
 from slipstream.orchestrator.weight_check import WeightChecker, WeightSyncError, failure_message
 from slipstream.orchestrator.weight_loads import WeightLoader
 from slipstream.rollout.client import InferenceUnavailable
@@ -216,7 +216,13 @@ class WeightRelay:
             self.updating = True
             self.on_change()
             try:
-                load = await self.loader.load(version, before_resume=lambda: self._serve(version))
+                try:
+                    load = await self.loader.load(version, before_resume=lambda: self._serve(version))
+                except WeightUpdateIncomplete as e:
+                    raise WeightSyncError(
+                        f"weight update to step {version} did not load whole on inference, so it serves a mix of "
+                        f"versions; the run stops ({e})"
+                    ) from e
                 check = await self._verify(version, previous)
             finally:
                 self.updating = False

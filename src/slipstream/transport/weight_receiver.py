@@ -12,6 +12,7 @@ import torch
 from slipstream.transport.bucket_receive import DirectLoader, ReceiveBuffers, receive_buckets
 from slipstream.transport.collective import GroupInit, close_group, open_group, open_store
 from slipstream.transport.weight_stream import Manifest, iter_safetensors
+from slipstream.transport.weights import INCOMPLETE_MARKER
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], object]
 """Loads one batch of (HF name, tensor) pairs into the model (vLLM: `model.load_weights`)."""
@@ -28,6 +29,8 @@ class ReceiveStats:
     seconds: float
     source: str
     """"broadcast" or the folder read."""
+    names: frozenset[str] = frozenset()
+    """Every tensor of the version (what the loader must have been handed)."""
 
     def to_dict(self) -> dict:
         return {
@@ -74,8 +77,8 @@ class WeightReceiver:
         if "path" in update_info:
             if not isinstance(update_info["path"], str) or not update_info["path"]:
                 raise ValueError(f"update_info 'path' must be a folder path, got {update_info['path']!r:.200}")
-            num_tensors, num_bytes = _load_folder(Path(update_info["path"]), load)
-            source = str(update_info["path"])
+            names, num_bytes = _load_folder(Path(update_info["path"]), load)
+            num_tensors, source = len(names), str(update_info["path"])
         elif "manifest" in update_info:
             if self.group is None:
                 raise RuntimeError(
@@ -89,11 +92,12 @@ class WeightReceiver:
                 load(pairs)
             num_tensors, num_bytes = manifest.num_tensors, manifest.nbytes
             source = "broadcast"
+            names = {t.name for b in manifest.buckets for t in b.tensors}
         else:
             raise ValueError(f"update_info needs 'path' or 'manifest' (got keys {sorted(update_info)})")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return ReceiveStats(step, num_tensors, num_bytes, time.perf_counter() - start, source)
+        return ReceiveStats(step, num_tensors, num_bytes, time.perf_counter() - start, source, frozenset(names))
 
     def shutdown(self) -> None:
         self.buffers.release()
@@ -101,19 +105,34 @@ class WeightReceiver:
         self.group, self.store, self.init = None, None, None
 
 
-def _load_folder(folder: Path, load: Loader) -> tuple[int, int]:
-    """Feed a published folder's tensors to `load` in batches; return (tensors, bytes)."""
+def _load_folder(folder: Path, load: Loader) -> tuple[set[str], int]:
+    """Feed a published folder's tensors to `load` in batches; return (their names, bytes)."""
     if not (folder / "READY").exists():
         raise FileNotFoundError(f"{folder} is not a complete published weights folder (no READY marker)")
     batch: list[tuple[str, torch.Tensor]] = []
-    batch_bytes = num_tensors = num_bytes = 0
+    names: set[str] = set()
+    batch_bytes = num_bytes = 0
     for name, tensor in iter_safetensors(folder):
         batch.append((name, tensor))
+        names.add(name)
         size = tensor.numel() * tensor.element_size()
-        batch_bytes, num_bytes, num_tensors = batch_bytes + size, num_bytes + size, num_tensors + 1
+        batch_bytes, num_bytes = batch_bytes + size, num_bytes + size
         if batch_bytes >= FILE_BATCH_BYTES:
             load(batch)
             batch, batch_bytes = [], 0
     if batch:
         load(batch)
-    return num_tensors, num_bytes
+    return names, num_bytes
+
+
+def check_loaded(stats: ReceiveStats, loaded: set[str]) -> None:
+    """Raise if some tensor of the version was never handed to the model's loader (a bucket dropped on the way in):
+    the model would serve a mix of versions that the probe may not tell from bf16's noise."""
+    missing = stats.names - loaded
+    if missing:
+        shown = ", ".join(sorted(missing)[:5])
+        raise RuntimeError(
+            f"slipstream {INCOMPLETE_MARKER}: version {stats.step} arrived whole ({len(stats.names)} tensors) but "
+            f"{len(missing)} never reached the model's loader ({shown}{', ...' if len(missing) > 5 else ''}); "
+            "inference serves a mix of versions"
+        )

@@ -12,6 +12,10 @@ from slipstream.rundir import PROBE as PROBE  # re-exported: the run layout live
 from slipstream.rundir import READY as READY
 from slipstream.rundir import RunDir
 
+INCOMPLETE_MARKER = "weight update incomplete"
+"""In the error of a version the engine received but did not load whole (transport/weight_receiver.check_loaded); the
+orchestrator tells it from a lost server by this text in vLLM's HTTP 500 reply (orchestrator/client.py)."""
+
 
 def weights_dir(output_dir: Path, step: int) -> Path:
     return RunDir(output_dir).weights_dir(step)

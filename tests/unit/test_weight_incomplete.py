@@ -1,0 +1,45 @@
+"""A version received but not loaded whole (a bucket dropped before the model's loader) is refused by the engine
+(transport/weight_receiver.check_loaded), and the orchestrator takes vLLM's HTTP 500 for that refusal, not for a lost
+server: the run stops with the reason instead of waiting for a restart."""
+
+import asyncio
+
+import httpx
+import pytest
+
+from slipstream.orchestrator.client import InferenceClient, WeightUpdateIncomplete
+from slipstream.transport.weight_receiver import ReceiveStats, check_loaded
+
+NAMES = frozenset(f"model.layers.{i}.mlp.up_proj.weight" for i in range(8))
+
+
+def test_every_tensor_handed_to_the_loader_passes():
+    check_loaded(ReceiveStats(3, len(NAMES), 1024, 0.1, "broadcast", NAMES), set(NAMES) | {"extra"})
+
+
+def test_a_tensor_that_never_reached_the_loader_is_named():
+    loaded = {n for n in NAMES if ".layers.1." not in n}
+    with pytest.raises(RuntimeError, match=r"weight update incomplete: version 3 .* 1 never reached .*layers\.1\."):
+        check_loaded(ReceiveStats(3, len(NAMES), 1024, 0.1, "broadcast", NAMES), loaded)
+
+
+def _client(status: int, text: str) -> InferenceClient:
+    client = InferenceClient("http://engine", "m", request_timeout_s=5)
+    transport = httpx.MockTransport(lambda request: httpx.Response(status, text=text))
+    client._http = httpx.AsyncClient(base_url="http://engine", transport=transport)
+    return client
+
+
+def test_the_engines_refusal_is_not_a_lost_server():
+    message = '{"error": {"message": "slipstream weight update incomplete: version 3 arrived whole", "code": 500}}'
+    client = _client(500, message)
+    with pytest.raises(WeightUpdateIncomplete, match="weight update incomplete"):
+        asyncio.run(client.post("/update_weights", json={"update_info": {"step": 3}}))
+    assert client.available  # no recovery starts: the server is there and said why
+
+
+def test_other_server_errors_still_mean_a_lost_server():
+    client = _client(500, "Internal Server Error")
+    with pytest.raises(Exception) as raised:
+        asyncio.run(client.post("/update_weights", json={"update_info": {"step": 3}}))
+    assert not isinstance(raised.value, WeightUpdateIncomplete) and not client.available
