@@ -248,6 +248,12 @@ class RLConfig(BaseConfig):
                 f"(deployment.run = {run}): set weights.master_addr to the trainer node's address, reachable from "
                 "the inference node (or use weights.transport = 'filesystem' on a shared filesystem)"
             )
+        if transport == "ipc" and (split or remote):
+            raise ValueError(
+                f"weights.transport = 'ipc' shares memory between the trainer and inference of one machine, but "
+                f"{'only part of the run starts here' if split else f'inference runs on {inference_host}'}; use "
+                "'nccl', 'gloo' or 'filesystem'"
+            )
         if transport == "nccl" and self.deployment.gpus == []:
             raise ValueError(
                 "weights.transport = 'nccl' needs GPUs, but deployment.gpus = [] runs on CPU; use 'gloo' or "
@@ -270,6 +276,11 @@ class RLConfig(BaseConfig):
                 raise ValueError(
                     f"launch.{key} is set for each node by [slurm] (slurm.trainer_nodes); remove launch.{key}"
                 )
+        if self.slurm.num_nodes > 1 and self.weights.transport == "ipc":
+            raise ValueError(
+                f"slurm.num_nodes = {self.slurm.num_nodes} puts inference and the trainer on different nodes; "
+                "weights.transport = 'ipc' shares memory on one machine: use 'nccl', 'gloo' or 'filesystem'"
+            )
         if self.slurm.num_nodes > 1 and self.weights.transport == "auto":
             raise ValueError(
                 f"slurm.num_nodes = {self.slurm.num_nodes} puts inference and the trainer on different nodes, which "

@@ -18,10 +18,13 @@ class WeightsConfig(BaseConfig):
     model's sharding allows (FSDP2, or expert parallelism alone), else rank 0 sends after a gather. Every transport
     ends with the same probe check of the loaded weights."""
 
-    transport: Literal["auto", "filesystem", "nccl", "gloo"] = "auto"
+    transport: Literal["auto", "filesystem", "nccl", "gloo", "ipc"] = "auto"
     """`filesystem`: through files in the run directory (works everywhere, costs disk bandwidth). `nccl`: GPU to GPU
     broadcast (trainer and inference on CUDA). `gloo`: the same broadcast over TCP between CPU processes (the CPU twin
-    of nccl). `auto`: nccl when the trainer runs on CUDA, else filesystem."""
+    of nccl). `ipc`: trainer and inference on one machine share the version's memory (CUDA IPC on a GPU, where NCCL
+    cannot join two processes of one device, e.g. colocated; a shared-memory file on CPU): the trainer lays the
+    version out in a buffer of the model's size (bf16 bytes) and inference copies it in place; the trainer writes the
+    next version only once inference took this one. `auto`: nccl when the trainer runs on CUDA, else filesystem."""
 
     bucket_mb: int = Field(512, ge=1)
     """Size of one transfer bucket in MiB: tensors of one dtype are packed into flat buffers of at most this size

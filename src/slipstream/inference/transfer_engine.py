@@ -1,6 +1,7 @@
 """Slipstream's vLLM weight-transfer engine (backend `slipstream`, registered by inference/vllm_plugin.py): vLLM's RL
 API (/init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update) drives it, and it
-receives each version either by broadcast from trainer rank 0 (gloo on CPU, NCCL on GPU) or from a published folder.
+receives each version by broadcast from trainer rank 0 (gloo on CPU, NCCL on GPU), from the trainer's shared memory
+(the ipc transport) or from a published folder.
 
 Weights arrive in checkpoint (Hugging Face) format and go through vLLM's layer-wise reload: start_weight_update
 prepares it, every received bucket is handed to `model.load_weights`, finish_weight_update processes the layers and,
@@ -37,11 +38,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SlipstreamUpdateInfo(WeightTransferUpdateInfo):
-    """One version: from a folder (`path`) or by broadcast (`manifest`, the bucket plan)."""
+    """One version: from a folder (`path`), by broadcast (`manifest`, the bucket plan) or from the trainer's shared
+    memory (`manifest` and `shared`)."""
 
     step: int
     path: str | None = None
     manifest: dict[str, Any] | None = field(default=None)
+    shared: dict[str, Any] | None = field(default=None)
+    """The `ipc` transport: the handle of the trainer's buffer holding the manifest's buckets
+    (transport/shared_buffer.py)."""
 
 
 class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamUpdateInfo]):

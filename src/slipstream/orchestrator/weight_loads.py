@@ -1,5 +1,7 @@
 """How the orchestrator has inference take one weight version, through vLLM's weight-transfer API: from its folder
-on disk, or by broadcast from the trainer (the trainer offered it and waits; see transport/weight_offers.py).
+on disk, by broadcast from the trainer (the trainer offered it and waits; see transport/weight_offers.py), or from
+the trainer's shared memory (the ipc transport: the offer names the buffer; DELIVERED, written here once inference
+copied it, frees the buffer for the next version).
 
 A broadcast needs a transfer session: the group of the trainer's sending ranks (rank 0, or every rank when each
 sends its own rows; the offer says how many) and every inference worker. One is opened at the
@@ -20,6 +22,7 @@ from slipstream.transport.weight_offers import (
     Accept,
     is_delivered,
     is_offered,
+    mark_delivered,
     read_manifest,
     read_offer,
     write_accept,
@@ -75,6 +78,12 @@ class WeightLoader:
                 )
             info = {"step": version, "path": str(weights_dir(self.output_dir, version))}
             return await self.client.load_weights(version, info, before_resume=before_resume)
+        offer = read_offer(self.output_dir, version)
+        if offer["backend"] == "ipc":  # the trainer's memory, mapped by the engine; no session, nothing to accept
+            info = {"step": version, "manifest": read_manifest(self.output_dir, version), "shared": offer.get("shared")}
+            load = await self.client.load_weights(version, info, before_resume=before_resume)
+            mark_delivered(self.output_dir, version, "ipc")  # the trainer may write its buffer again
+            return load
         init_info = await self._maybe_new_session(version)
         session = self.session
         assert session is not None  # set by _maybe_new_session

@@ -36,11 +36,13 @@ from slipstream.trainer.weights import (
 from slipstream.transport.bucket_assembly import BucketBuffers, stream_to
 from slipstream.transport.checkpoints import is_checkpoint_step
 from slipstream.transport.collective import GroupInit, close_group, open_group, open_store
+from slipstream.transport.shared_buffer import SharedBuffer, SharedSink, bucket_offsets
 from slipstream.transport.weight_offers import (
     MANIFEST,
     OFFER,
     Accept,
     mark_delivered,
+    wait_delivered,
     wait_for_accept,
 )
 from slipstream.transport.weight_stream import (
@@ -98,6 +100,10 @@ class WeightPublisher:
         self.buckets = tuple(plan_buckets(metas, self.bucket_bytes))
         self.buffers = BucketBuffers()
         """Rank 0's bucket buffers (3 buckets of `weights.bucket_mb`), kept from one version to the next."""
+        self.shared: SharedBuffer | None = None
+        """The ipc transport's buffer (rank 0), allocated at the first version it carries."""
+        self.last_shared: int | None = None
+        """The last version offered from `shared`: the next one waits until inference has taken it."""
         self.pieces: PieceSender | None = None
         """Every rank sends its own rows by broadcast (None: rank 0 sends after a gather)."""
         if self.transport in ("nccl", "gloo"):
@@ -138,7 +144,9 @@ class WeightPublisher:
         if self.lora is not None:
             return self._publish_adapter(step, probe) | {"weights/probe_s": t_probe - start}
         waited = 0.0
-        if self.transport == "filesystem":
+        if self.transport == "ipc":
+            attempts, waited = self._publish_ipc(step, stream, manifest, probe)
+        elif self.transport == "filesystem":
             attempts = self._publish_files(step, stream, manifest, probe)
         else:
             attempts, waited = self._publish_broadcast(step, stream, manifest, probe)
@@ -186,6 +194,31 @@ class WeightPublisher:
         folder = weights_dir(self.config.output_dir, step)
         write_weights_folder(folder, stream, manifest, probe, self.files, self.is_main, self.buffers)
         return 1
+
+    def _publish_ipc(self, step: int, stream: HFWeightStream, manifest: Manifest, probe: dict) -> tuple[int, float]:
+        """Once inference has taken the version before from the shared buffer, lay this one out in it (rank 0; every
+        rank iterates the stream, whose gathers are collectives) and offer it with the buffer's handle. Checkpoint
+        steps and the last one go to disk instead (a READY folder: resume and users need them there). Returns
+        (attempts, seconds waited for inference to take the version before)."""
+        waited = 0.0
+        if self.is_main and self.last_shared is not None:
+            asked = time.perf_counter()
+            wait_delivered(self.config.output_dir, self.last_shared, self.config.weights.accept_timeout_s)
+            waited = time.perf_counter() - asked
+        if self._keeps_files(step):
+            return self._publish_files(step, stream, manifest, probe), waited
+        sinks: list[BucketSink] = []
+        sizes = [b.nbytes for b in manifest.buckets]
+        if self.is_main:
+            if self.shared is None:
+                self.shared = SharedBuffer(bucket_offsets(sizes)[1], self.trainer.device, name=f"{os.getpid()}")
+            sinks.append(SharedSink(self.shared, sizes))
+        stream_to(stream, manifest, sinks, self.buffers)
+        if self.is_main:
+            assert self.shared is not None
+            self._write_offer(weights_dir(self.config.output_dir, step), manifest, probe, self.shared.handle())
+            self.last_shared = step
+        return 1, waited
 
     def _publish_broadcast(
         self, step: int, stream: HFWeightStream, manifest: Manifest, probe: dict
@@ -283,14 +316,17 @@ class WeightPublisher:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _write_offer(self, folder: Path, manifest: Manifest, probe: dict) -> None:
-        """Create `weights/step_N/` holding the manifest, probe and OFFER marker (atomically)."""
+    def _write_offer(self, folder: Path, manifest: Manifest, probe: dict, shared: dict | None = None) -> None:
+        """Create `weights/step_N/` holding the manifest, probe and OFFER marker (atomically); `shared`: the ipc
+        transport's buffer handle, in the offer."""
         tmp = folder.parent / f".tmp_{folder.name}_{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         atomic_write_text(tmp / MANIFEST, manifest.to_json())
         atomic_write_text(tmp / PROBE, _json(probe))
         offer = {"step": manifest.step, "backend": self.transport, "senders": manifest.senders}
+        if shared is not None:
+            offer["shared"] = shared
         atomic_write_text(tmp / OFFER, _json(offer))
         make_world_readable(tmp)
         commit_dir(tmp, folder)
@@ -329,6 +365,9 @@ class WeightPublisher:
     def close(self) -> None:
         close_group(self.group)
         self.group, self.store = None, None
+        if self.shared is not None:  # the last version is on disk (READY): nothing maps the buffer any more
+            self.shared.close()
+            self.shared = None
 
 
 @torch.no_grad()

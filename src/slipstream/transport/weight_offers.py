@@ -82,6 +82,20 @@ def wait_for_accept(output_dir: Path, step: int, refused: set[str], timeout_s: f
         time.sleep(poll_s)
 
 
+def wait_delivered(output_dir: Path, step: int, timeout_s: float, poll_s: float = 0.01) -> None:
+    """Block until version `step` is marked DELIVERED (the ipc transport: inference copied it out of the trainer's
+    buffer, which may then take the next version)."""
+    deadline = time.monotonic() + timeout_s
+    while not is_delivered(output_dir, step):
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"waited {timeout_s:.0f}s for inference to take the weights of step {step} from the trainer's shared "
+                f"memory ({weights_dir(output_dir, step) / DELIVERED}); is the orchestrator running, and does it use "
+                "the same weights.transport? Raise weights.accept_timeout_s if online evaluations hold updates longer"
+            )
+        time.sleep(poll_s)
+
+
 def latest_available_step(output_dir: Path) -> int | None:
     """Newest version inference can be given now: complete on disk (READY), or offered by broadcast and not yet
     delivered (the trainer is waiting to send it)."""

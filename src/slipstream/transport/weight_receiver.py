@@ -11,7 +11,8 @@ import torch
 
 from slipstream.transport.bucket_receive import DirectLoader, ReceiveBuffers, receive_buckets
 from slipstream.transport.collective import GroupInit, close_group, open_group, open_store
-from slipstream.transport.weight_stream import Manifest, iter_safetensors
+from slipstream.transport.shared_buffer import bucket_offsets, open_shared
+from slipstream.transport.weight_stream import Manifest, iter_safetensors, unpack
 from slipstream.transport.weights import INCOMPLETE_MARKER
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], object]
@@ -28,7 +29,7 @@ class ReceiveStats:
     num_bytes: int
     seconds: float
     source: str
-    """"broadcast" or the folder read."""
+    """"broadcast", "shared memory" or the folder read."""
     names: frozenset[str] = frozenset()
     """Every tensor of the version (what the loader must have been handed)."""
 
@@ -79,6 +80,19 @@ class WeightReceiver:
                 raise ValueError(f"update_info 'path' must be a folder path, got {update_info['path']!r:.200}")
             names, num_bytes = _load_folder(Path(update_info["path"]), load)
             num_tensors, source = len(names), str(update_info["path"])
+        elif "shared" in update_info:  # the ipc transport: the trainer's buffer, mapped (transport/shared_buffer.py)
+            manifest = Manifest.from_dict(update_info.get("manifest"))
+            if manifest.step != step:
+                raise ValueError(f"update_info step {step} but its manifest is of step {manifest.step}")
+            flat = open_shared(update_info["shared"], self.device)
+            offsets, total = bucket_offsets([b.nbytes for b in manifest.buckets])
+            if total > flat.numel():
+                raise ValueError(f"the shared weights buffer holds {flat.numel()} bytes, the manifest needs {total}")
+            for offset, bucket in zip(offsets, manifest.buckets, strict=True):
+                load(unpack(flat[offset : offset + bucket.nbytes], bucket))
+            num_tensors, num_bytes = manifest.num_tensors, manifest.nbytes
+            source = "shared memory"
+            names = {t.name for b in manifest.buckets for t in b.tensors}
         elif "manifest" in update_info:
             if self.group is None:
                 raise RuntimeError(
@@ -94,7 +108,7 @@ class WeightReceiver:
             source = "broadcast"
             names = {t.name for b in manifest.buckets for t in b.tensors}
         else:
-            raise ValueError(f"update_info needs 'path' or 'manifest' (got keys {sorted(update_info)})")
+            raise ValueError(f"update_info needs 'path', 'shared' or 'manifest' (got keys {sorted(update_info)})")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return ReceiveStats(step, num_tensors, num_bytes, time.perf_counter() - start, source, frozenset(names))

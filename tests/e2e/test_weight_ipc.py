@@ -1,0 +1,54 @@
+"""Weights through shared memory (`weights.transport = "ipc"`, the CPU twin of CUDA IPC between a colocated trainer and
+vLLM): a tiny model trains with every version laid out in the trainer's shared buffer and copied in place by
+Slipstream's engine inside vLLM's CPU build, verified by the probe as exactly as through files; the last version is
+written to disk, and nothing is left in shared memory after the run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slipstream.transport.shared_buffer import SHM_DIR
+from slipstream.transport.weight_offers import DELIVERED, OFFER
+from slipstream.transport.weights import READY, weights_dir
+from tests.e2e.helpers import tiny_rl_config, write_config
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+MAX_STEPS = 4
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def test_ipc_transport_trains_with_exact_verified_updates(tiny_qwen3_dir, tmp_path, run_env):
+    _, env = run_env
+    out = tmp_path / "run"
+    shm_before = set(SHM_DIR.glob("slipstream-weights-*")) if SHM_DIR.is_dir() else set()
+    config = tiny_rl_config(tiny_qwen3_dir, out, max_steps=MAX_STEPS, weights={"transport": "ipc"})
+    path = write_config(tmp_path / "rl.toml", config)
+    proc = subprocess.run(
+        [sys.executable, "-m", "slipstream", "rl", "-c", str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    metrics = _read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, MAX_STEPS + 1))
+    checks = [c for c in _read_jsonl(out / "weight_checks.jsonl") if c["kind"] == "update"]
+    assert checks and all(c["passed"] for c in checks) and checks[-1]["step"] == MAX_STEPS, checks
+    assert max(c["max_abs_diff"] for c in checks) < 1e-4, checks  # float32 both sides: as exact as through files
+    shared = [s for s in range(1, MAX_STEPS) if (weights_dir(out, s) / OFFER).exists()]
+    for step in shared:  # offered from shared memory, taken by inference, never written to disk
+        offer = json.loads((weights_dir(out, step) / OFFER).read_text())
+        assert offer["backend"] == "ipc" and offer["shared"]["kind"] == "file", offer
+        assert (weights_dir(out, step) / DELIVERED).exists() and not (weights_dir(out, step) / READY).exists()
+    assert (weights_dir(out, MAX_STEPS) / READY).exists()  # the trained model stays on disk
+    served = {c["step"] for c in checks}
+    assert served & set(range(1, MAX_STEPS)), checks  # at least one version came through shared memory
+    shm_after = set(SHM_DIR.glob("slipstream-weights-*")) if SHM_DIR.is_dir() else set()
+    assert shm_after <= shm_before, shm_after - shm_before  # the trainer removed its buffer
