@@ -230,3 +230,19 @@ def test_context_parallel_groups_share_one_batch(base_toml):
         load_config(RLConfig, ["-c", str(base_toml), "--launch.num_trainer_procs", "4", "--trainer.parallel.cp", "3"])
     with pytest.raises(ConfigError, match=r"ep \(2\) must be a multiple of trainer.parallel.cp \(4\)"):
         load_config(RLConfig, ["-c", str(base_toml), "--trainer.parallel.ep", "2", "--trainer.parallel.cp", "4"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (
+            ["--deployment.run", '["trainer", "orchestrator"]', "--launch.num_trainer_procs", "1"],
+            "only part of the run",
+        ),
+        (["--orchestrator.inference_url", "http://10.0.0.7:8000"], "inference runs on 10.0.0.7"),
+    ],
+)
+def test_ipc_transport_needs_the_whole_run_on_one_machine(base_toml, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(RLConfig, ["-c", str(base_toml), "--weights.transport", "ipc", *overrides])
+    assert load_config(RLConfig, ["-c", str(base_toml), "--weights.transport", "ipc"]).weights.transport == "ipc"
