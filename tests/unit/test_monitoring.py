@@ -1,6 +1,8 @@
 """Monitoring outside the run directory: a Prometheus endpoint serving each step's metrics (scraped and parsed with
 prometheus_client's parser), and a Weights & Biases run in offline mode (no network) that a resumed run continues."""
 
+import time
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -48,6 +50,13 @@ def test_wandb_offline_run_logs_steps_and_a_resume_continues_it(tmp_path):
     second.finish()
     runs = sorted((tmp_path / "wandb").rglob(f"offline-run-*-{run_id}"))
     assert len(runs) == 2  # written locally (nothing sent), twice under one run id
-    # The offline records hold the logged keys and values (protobuf strings, stored as they are).
-    data = [b"".join(p.read_bytes() for p in run.glob("*.wandb")) for run in runs]
-    assert all(b"reward/mean" in d for d in data) and b"0.5" in data[0] and b"0.625" in data[1]
+    # The offline records hold the logged keys and values (protobuf strings, stored as they are). wandb's service
+    # process writes them: under load its last records can land after finish() returned (failed once in `make test`
+    # beside other jobs), so the files are read again until they hold them, for at most a minute.
+    deadline = time.monotonic() + 60
+    while True:
+        data = [b"".join(p.read_bytes() for p in run.glob("*.wandb")) for run in runs]
+        if all(b"reward/mean" in d for d in data) and b"0.5" in data[0] and b"0.625" in data[1]:
+            break
+        assert time.monotonic() < deadline, [len(d) for d in data]
+        time.sleep(0.5)
