@@ -147,7 +147,8 @@ def start_processes(sup: Supervisor, specs: dict[str, ProcessSpec], config: RLCo
 
 def prepare_resume_run(config: RLConfig) -> RLConfig:
     """For --resume / --resume-step: pick the committed step, delete what the run wrote after it, and return the
-    config with that step (or none: start over) given to trainer and orchestrator. Other configs are returned as is."""
+    config with that step (or none: start over) given to trainer and orchestrator. A run started without them is
+    checked and cleaned by prepare_fresh_run and returned as is."""
     if config.trainer.resume_step is None:
         prepare_fresh_run(config)
         return config
