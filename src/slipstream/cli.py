@@ -29,7 +29,8 @@ commands:
   tenant-server multi-tenant LoRA: start vLLM + one trainer serving many LoRA runs (docs/multi_tenant_lora.md)
   tenant-run    join a tenant-server as one LoRA run (tenant) and run its orchestrator
   tenant-trainer the tenant-server's trainer alone
-  sft           supervised fine-tuning on chat data (JSONL/Parquet); writes a model folder for `model.name`
+  sft           supervised fine-tuning on chat data (JSONL/Parquet); writes a model folder for `model.name`;
+                on several GPUs it starts itself under torchrun, one rank per GPU
   eval          score a model folder or a run's step on an environment split (mean reward, pass@k)
   plot RUN_DIR  write PNG plots of a run into RUN_DIR/plots/
   model         model utilities: `model import NAME|FILE.gguf`, `model tiny --family F --out DIR`
@@ -54,7 +55,7 @@ CONFIG_COMMANDS = {
         "run_orchestrator",
     ),
     "trainer": ("slipstream.config.trainer", "TrainerConfig", "slipstream.trainer.rl", "run_trainer"),
-    "sft": ("slipstream.config.sft", "SFTConfig", "slipstream.trainer.sft", "run_sft"),
+    "sft": ("slipstream.config.sft", "SFTConfig", "slipstream.launch.sft", "run_sft_command"),
     "tenant-trainer": (
         "slipstream.config.tenants",
         "TenantTrainerConfig",

@@ -1,5 +1,9 @@
 """`slipstream sft` with FSDP over 2 CPU ranks (gloo) equals one process: the per-token mean over the global batch
-and the summed gradients make the losses and the final weights match (<= 1e-5)."""
+and the summed gradients make the losses and the final weights match (<= 1e-5). The two ranks are started the way a
+user starts them: `slipstream sft --num-procs 2`, which replaces itself with torchrun (launch/sft.py)."""
+
+import subprocess
+import sys
 
 import torch
 from safetensors.torch import load_file
@@ -7,7 +11,6 @@ from safetensors.torch import load_file
 from slipstream.monitor.metrics import read_metrics
 from slipstream.rundir import RunDir
 from slipstream.trainer.sft import run_sft
-from tests.distributed.helpers import run_ranks
 from tests.unit.test_sft_loop import _config
 
 
@@ -15,7 +18,12 @@ def test_sft_fsdp_two_ranks_equals_one_process(tiny_qwen3_dir, tmp_path):
     one = _config(tiny_qwen3_dir, tmp_path, tmp_path / "one", max_steps=3, batch_size=5)
     two = _config(tiny_qwen3_dir, tmp_path, tmp_path / "two", max_steps=3, batch_size=5)
     run_sft(one)
-    run_ranks(2, run_sft, two)  # 5 samples: 3 on rank 0, 2 on rank 1 (uneven micro-batch counts)
+    two.write_toml(tmp_path / "two.toml")  # 5 samples: 3 on rank 0, 2 on rank 1 (uneven micro-batch counts)
+    cmd = [sys.executable, "-m", "slipstream", "sft", "-c", str(tmp_path / "two.toml"), "--num-procs", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "starting 2 ranks on the CPU under torchrun" in proc.stdout
+    assert proc.stdout.count("step 3/3") == 1  # progress from rank 0 only
     for a, b in zip(read_metrics(one.output_dir), read_metrics(two.output_dir), strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 and a["num_loss_tokens"] == b["num_loss_tokens"]
         assert (a.get("val/loss") is None) == (b.get("val/loss") is None)

@@ -42,7 +42,22 @@ def _commit(root, *steps):
 
 def test_checkpoint_steps():
     assert [s for s in range(1, 8) if is_checkpoint_step(s, 3, 7)] == [3, 6, 7]
-    assert not any(is_checkpoint_step(s, None, 7) for s in range(1, 8))
+    assert not any(is_checkpoint_step(s, 0, 7) or is_checkpoint_step(s, None, 7) for s in range(1, 8))
+
+
+def test_slipstream_rl_checkpoints_by_default_and_0_turns_them_off(tmp_path):
+    """Every 50 steps and the last, in both processes' configs, whatever else [checkpoint] sets; 0: never. `slipstream
+    trainer`, `orchestrator` and `sft` alone keep checkpoints off unless asked."""
+    base = ["--model.name", "m", "--max-steps", "120", "--output-dir", str(tmp_path)]
+    for extra, expected in (([], 50), (["--checkpoint.keep-last", "2"], 50), (["--checkpoint.interval", "0"], 0)):
+        config = load_config(RLConfig, [*base, *extra])
+        assert config.checkpoint.interval == config.trainer.checkpoint.interval == expected
+        assert config.orchestrator.checkpoint == config.checkpoint
+        assert config.rebuilt({}).checkpoint == config.checkpoint
+        assert RLConfig.model_validate(config.user_toml_dict()).checkpoint == config.checkpoint  # rl.toml round-trips
+        steps = [s for s in range(1, 121) if is_checkpoint_step(s, config.checkpoint.interval, config.max_steps)]
+        assert steps == ([50, 100, 120] if expected else [])
+    assert CheckpointConfig().interval == 0
 
 
 def test_a_step_commits_only_with_both_parts(tmp_path):
@@ -147,6 +162,30 @@ def test_launcher_resolves_the_resume_step_and_prepares_the_run(tmp_path, capsys
     fresh = prepare_resume_run(_rl_config(tmp_path / "new", "--resume"))
     assert fresh.trainer.resume_step is None and not fresh.resume
     assert "no committed checkpoint" in capsys.readouterr().out
+
+
+def test_a_fresh_run_refuses_committed_checkpoints_and_clears_what_an_earlier_run_left(tmp_path, capsys):
+    """Without --resume: a directory with committed checkpoints is refused (a later --resume would mix two runs);
+    otherwise the earlier run's rollouts, weights and step records go, so the trainer cannot take them for this run's."""
+    _write_run(tmp_path, 3)
+    _commit(tmp_path, 2)
+    with pytest.raises(ConfigError, match=r"committed checkpoints of an earlier run \(steps \[2\]\): continue it"):
+        prepare_resume_run(_rl_config(tmp_path))
+    assert committed_run_steps(tmp_path) == [2] and weights_dir(tmp_path, 3).exists()  # nothing touched
+
+    other = tmp_path / "other"
+    _write_run(other, 3)
+    split = prepare_resume_run(
+        _rl_config(other, "--deployment.run", '["trainer"]', "--weights.transport", "filesystem")
+    )
+    assert split.trainer.resume_step is None and weights_dir(other, 3).exists()  # it may have written already
+    config = prepare_resume_run(_rl_config(other))
+    assert config.trainer.resume_step is None and not config.resume
+    assert not list((other / "rollouts").iterdir()) and not list((other / "weights").iterdir())
+    assert not (other / "metrics.jsonl").read_text()
+    assert "starting afresh" in capsys.readouterr().out
+    prepare_resume_run(_rl_config(other))
+    assert "starting afresh" not in capsys.readouterr().out  # nothing left to remove: nothing said
 
 
 def test_resume_applies_the_retention_a_killed_run_did_not_get_to(tmp_path, capsys):

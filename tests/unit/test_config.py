@@ -134,7 +134,7 @@ def test_a_shared_key_is_reported_once_by_its_top_level_name(base_toml):
         ("--model.dtype", "float"): r"model\.dtype: Input should be 'float32' or 'bfloat16' \(got 'float'\)",
         ("--seed", "x"): r"seed: Input should be a valid integer.*\(got 'x'\)",
         ("--model.revision", "v1"): r"model: model\.revision only applies to Hugging Face Hub ids.*",
-        ("--checkpoint.interval", "0"): r"checkpoint\.interval: .*",
+        ("--checkpoint.interval", "-1"): r"checkpoint\.interval: .*",
         ("--trainer.max_stepz", "3"): r"unknown key trainer\.max_stepz; did you mean max_steps\?",
     }
     for argv, message in cases.items():

@@ -68,7 +68,8 @@ def test_vllm_parses_our_command_line(shape):
     assert engine.weight_transfer_config.backend == ENGINE_BACKEND
     assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "slipstream"}
     assert (engine.max_model_len, engine.max_num_seqs, engine.seed) == (2048, 64, 0)
-    assert engine.logprobs_mode == "processed_logprobs" and engine.enforce_eager
+    assert engine.logprobs_mode == "processed_logprobs"
+    assert engine.enforce_eager == (not visible)  # CUDA graphs on GPUs, eager on CPU (inference.enforce_eager unset)
     assert len(args.middleware) == 2
     assert ("--gpu-memory-utilization" in argv) == bool(visible)  # decided by the placement, not by torch here
     if visible:
@@ -83,6 +84,29 @@ def test_vllm_parses_our_command_line(shape):
     assert engine.enable_return_routed_experts == routed
     assert engine.stream_interval == sections.get("inference", {}).get("stream_interval", 1)
     assert ("--stream-interval" in argv) == ("stream_interval" in sections.get("inference", {}))
+
+
+@pytest.mark.parametrize(
+    ("visible", "asked", "eager"),
+    [([0, 1], None, False), ([], None, True), ([0, 1], True, True), ([], False, False)],
+    ids=["GPU default", "CPU default", "GPU eager asked", "CPU graphs asked"],
+)
+def test_enforce_eager_follows_the_placement_unless_set(visible, asked, eager):
+    sections = {"inference": {"enforce_eager": asked}} if asked is not None else {}
+    config = inference_config(visible, **sections)
+    assert config.enforce_eager is eager  # resolved in the written config too
+    _, engine = parse_vllm_argv(build_vllm_argv(config, Path("/m")))
+    assert engine.enforce_eager is eager
+
+
+@pytest.mark.parametrize(("device", "eager"), [("cpu", True), ("cuda", False)])
+def test_a_server_started_alone_resolves_enforce_eager_from_its_device(device, eager):
+    from slipstream.config.inference import InferenceConfig
+
+    config = InferenceConfig(model={"name": "m", "dtype": "bfloat16"}, device=device)
+    assert config.enforce_eager is None
+    assert ("--enforce-eager" in build_vllm_argv(config, Path("/m"))) is eager
+    assert "--enforce-eager" in build_vllm_argv(config.model_copy(update={"enforce_eager": True}), Path("/m"))
 
 
 def test_a_flag_vllm_does_not_know_fails():

@@ -65,8 +65,10 @@ class InferenceConfig(BaseConfig):
     max_num_seqs: int = Field(64, ge=1)
     """Most sequences decoded at once."""
 
-    enforce_eager: bool = True
-    """Skip CUDA-graph / compile warm-up (fast start; recommended on CPU)."""
+    enforce_eager: bool | None = None
+    """Skip CUDA-graph capture and torch.compile warm-up (`--enforce-eager`): a fast start, slower decoding. None:
+    true where vLLM runs on CPU, false on GPUs (CUDA graphs: a slower start, faster decoding); `slipstream rl` sets it
+    from the GPU placement, a server started alone from `device`."""
 
     stream_interval: int = Field(1, ge=1)
     """Completion tokens vLLM gathers into one streamed chunk (`--stream-interval`; the first and last token of a
@@ -180,6 +182,10 @@ class InferenceConfig(BaseConfig):
         check_inference_options(self)
         check_deployment(self)
         return self
+
+    def eager_on(self, on_gpu: bool) -> bool:
+        """enforce_eager, with None resolved for a server on GPUs (`on_gpu`: CUDA graphs) or on CPU (eager)."""
+        return (not on_gpu) if self.enforce_eager is None else self.enforce_eager
 
     @property
     def wide_ep(self) -> bool:

@@ -25,9 +25,10 @@ class KubernetesConfig(BaseConfig):
     namespace: str = "default"
     """Namespace of every object."""
 
-    image: str = "slipstream:latest"
-    """Container image with Slipstream and vLLM's GPU build installed (`pip install slipstream[gpu]`); the same
-    image runs every process."""
+    image: str = "slipstream:0.1.0"
+    """Container image with Slipstream and vLLM's GPU build installed; the same image runs every process. The
+    default is the tag the repository's Dockerfile is built with (`docker build -t slipstream:0.1.0 .`); push the
+    image to a registry the cluster pulls from and name it here (`REGISTRY/slipstream:0.1.0`)."""
 
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     """When the kubelet pulls the image."""

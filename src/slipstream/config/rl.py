@@ -29,6 +29,8 @@ _SHARED = {
     "monitor": ("orchestrator", "trainer"),
 }
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+RL_CHECKPOINT_INTERVAL = 50
+"""checkpoint.interval of `slipstream rl` when unset: `--resume` after a crash loses at most this many steps."""
 
 # options that `slipstream rl --help` leaves out: set at the top level instead
 HELP_SKIP = tuple(f"--{section}.{key}" for key, sections in _SHARED.items() for section in sections) + (
@@ -110,8 +112,11 @@ class RLConfig(BaseConfig):
     """Weight transfer from trainer to inference after every step. `transport = "auto"` becomes nccl when the
     trainer gets GPUs, else filesystem (decided at launch)."""
 
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    """Whole-run checkpoints (trainer and orchestrator state of a step, committed together) and their retention."""
+    checkpoint: CheckpointConfig = CheckpointConfig(interval=RL_CHECKPOINT_INTERVAL)
+    """Whole-run checkpoints (trainer and orchestrator state of a step, committed together) and their retention. On
+    by default: every 50 steps and at the last step (`checkpoint.interval`, which says the disk each costs), all
+    kept unless `checkpoint.keep_last` is set; `checkpoint.interval = 0` turns them off. A run directory holding
+    committed checkpoints is only continued (`--resume`), never started afresh."""
 
     resume: bool = False
     """`--resume`: continue the run in output_dir from its newest committed checkpoint: later steps' rollouts,
@@ -148,6 +153,9 @@ class RLConfig(BaseConfig):
             return data
         data = dict(data)
         defaults = {"output_dir": "outputs/run", "seed": 0, "weights": WeightsConfig().model_dump()}
+        checkpoint = _table(data.get("checkpoint"))
+        if checkpoint is not None and "interval" not in checkpoint:  # the RL default, in every section too
+            data["checkpoint"] = {**checkpoint, "interval": RL_CHECKPOINT_INTERVAL}
         for key, sections in _SHARED.items():
             value = data.get(key, defaults.get(key))
             if value is None:

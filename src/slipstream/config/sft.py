@@ -2,7 +2,7 @@
 optimizer and checkpoints (trainer/sft.py)."""
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -92,7 +92,14 @@ class SFTConfig(BaseConfig):
     output_dir that already holds checkpoints."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Training device; auto picks CUDA when available."""
+    """Training device; auto: CUDA when this machine shows GPUs (CUDA_VISIBLE_DEVICES, else nvidia-smi), else the
+    CPU. On CUDA, model.dtype defaults to bfloat16 (float32 on the CPU)."""
+
+    num_procs: int | None = Field(None, ge=1)
+    """Ranks on this machine. With more than one, `slipstream sft` starts itself again under torchrun
+    (`--standalone --nproc-per-node`): one rank per GPU, on the first `num_procs` visible GPUs (gloo ranks on the
+    CPU). None: one rank per visible GPU, 1 on the CPU. Not used under torchrun (started by hand, or by a [slurm] job,
+    whose nodes run slurm.gpus_per_node ranks each)."""
 
     compile: bool = False
     """torch.compile each transformer block (see `slipstream trainer --help`)."""
@@ -125,6 +132,11 @@ class SFTConfig(BaseConfig):
             if self.dry_run:
                 raise ValueError("--dry-run only applies to a Slurm submission: add a [slurm] section, or drop it")
             return self
+        if self.num_procs is not None:
+            raise ValueError(
+                "num_procs sets the ranks of a run on this machine; a [slurm] job runs slurm.gpus_per_node ranks on "
+                "each node: remove num_procs"
+            )
         if "trainer_nodes" in self.slurm.model_fields_set:
             raise ValueError(
                 "slurm.trainer_nodes places an RL run's trainer; every node of an SFT job trains: remove it"
@@ -136,6 +148,14 @@ class SFTConfig(BaseConfig):
         if self.val_interval is not None and not self.data.val_files:
             raise ValueError("val_interval is set but data.val_files is empty; add validation files or unset it")
         return self
+
+    def to_toml_dict(self) -> dict[str, Any]:
+        """As BaseConfig's, but model.dtype left out when unset: the machine that trains decides it (bfloat16 on
+        CUDA, float32 on the CPU), also when the config is written for torchrun's ranks or a Slurm job's nodes."""
+        data = super().to_toml_dict()
+        if "dtype" not in self.model.model_fields_set:
+            data["model"].pop("dtype", None)
+        return data
 
     def trainer_config(self) -> TrainerConfig:
         """The TrainerConfig whose setup (model, parallelism, optimizer, resume) and checkpoints SFT reuses."""

@@ -66,8 +66,9 @@ class ModelConfig(BaseConfig):
 
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype inference serves and weights are published in; also the trainer's compute dtype (its master
-    weights and optimizer state stay float32). float32 keeps CPU runs exact; `slipstream rl` uses bfloat16 instead
-    when this is left unset and its processes get GPUs (deployment)."""
+    weights and optimizer state stay float32). float32 keeps CPU runs exact; left unset, it becomes bfloat16 where the
+    work runs on GPUs: `slipstream rl` when its processes get GPUs (deployment), `slipstream sft` when it trains on
+    CUDA."""
 
     lora: LoRAConfig | None = None
     """`[model.lora]`: train low-rank adapters on the frozen model instead of all its weights; None: full
@@ -102,8 +103,11 @@ class CheckpointConfig(BaseConfig):
     the orchestrator's data position, committed together by one `step_N/COMMITTED` marker (see
     slipstream.transport.checkpoints). `slipstream rl --resume` continues from the newest committed one."""
 
-    interval: int | None = Field(None, ge=1)
-    """Checkpoint every this many steps and at the last step; None: never."""
+    interval: int = Field(0, ge=0)
+    """Checkpoint every this many steps and at the last step; 0: never. A checkpoint costs about 12 bytes of disk per
+    trained parameter: the float32 master weights and AdamW's two float32 moments (8 bytes with
+    `optim.state_dtype = "bfloat16"`; with LoRA only the adapters count), so ~1.6 GB for a 135M model, ~7 GB for
+    0.6B, ~360 GB for 30B; `keep_last` bounds how many stay on disk."""
 
     keep_last: int | None = Field(None, ge=1)
     """Keep only the newest this many committed checkpoints (plus those `keep_every` keeps); None: keep all. The

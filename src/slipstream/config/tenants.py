@@ -111,7 +111,7 @@ def tenant_trainer_config(shared: TenantTrainerConfig, tenant: TenantConfig, run
         loss=tenant.loss,
         probe=shared.probe,
         checkpoint=tenant.checkpoint,
-        whole_run_checkpoints=tenant.checkpoint.interval is not None,
+        whole_run_checkpoints=tenant.checkpoint.interval > 0,
         resume_step=tenant.resume_step,
         device=shared.device,
         num_threads=shared.num_threads,

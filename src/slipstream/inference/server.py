@@ -22,8 +22,9 @@ WEIGHT_TRANSFER_CONFIG = json.dumps({"backend": ENGINE_BACKEND})
 
 
 def build_vllm_argv(config: InferenceConfig, model_path: Path) -> list[str]:
-    """Command line of the vLLM server (python -m vllm.entrypoints.openai.api_server ...). GPU-only flags follow
-    config.device, which `slipstream rl` sets from the GPU placement."""
+    """Command line of the vLLM server (python -m vllm.entrypoints.openai.api_server ...). GPU-only flags and
+    eager mode (unless enforce_eager is set) follow config.device, which `slipstream rl` sets from the GPU placement."""
+    on_gpu = runs_on_gpu(config)
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_path),
@@ -43,7 +44,7 @@ def build_vllm_argv(config: InferenceConfig, model_path: Path) -> list[str]:
     ]  # fmt: skip
     if (config.data_parallel_size or 1) > 1:
         argv += ["--data-parallel-size", str(config.data_parallel_size)]
-    if config.enforce_eager:
+    if config.eager_on(on_gpu):
         argv.append("--enforce-eager")
     if config.stream_interval > 1:
         argv += ["--stream-interval", str(config.stream_interval)]
@@ -53,7 +54,7 @@ def build_vllm_argv(config: InferenceConfig, model_path: Path) -> list[str]:
         argv.append("--enable-return-routed-experts")
     if config.tool_call_parser is not None:
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
-    if config.device == "cuda" or (config.device == "auto" and _has_cuda()):
+    if on_gpu:
         argv += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     return argv + lora_args(config.model.lora) + option_args(config) + list(config.extra_args)
 
@@ -98,7 +99,7 @@ MOE_CONFIG_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
 def check_lora_servable(config: InferenceConfig, model_path: Path) -> None:
     """vLLM 0.32 wraps every MoE layer for LoRA with a Triton-only kernel: on its CPU build the first request to an
     adapter kills the engine (whatever the adapter targets). Refuse that pairing up front, saying what to change."""
-    if config.model.lora is None or config.device == "cuda" or (config.device == "auto" and _has_cuda()):
+    if config.model.lora is None or runs_on_gpu(config):
         return
     hf_config = json.loads((Path(model_path) / "config.json").read_text())
     if any(hf_config.get(key) for key in MOE_CONFIG_KEYS):
@@ -106,6 +107,11 @@ def check_lora_servable(config: InferenceConfig, model_path: Path) -> None:
             f"[model.lora] on the mixture-of-experts model {config.model.name} needs vLLM's GPU build: vLLM's CPU build "
             "has no kernel for LoRA on MoE layers. Serve it on GPUs, train a dense model, or drop [model.lora]"
         )
+
+
+def runs_on_gpu(config: InferenceConfig) -> bool:
+    """Whether vLLM runs on GPUs: inference.device, or with "auto" whether torch sees a GPU here."""
+    return config.device == "cuda" or (config.device == "auto" and _has_cuda())
 
 
 def _has_cuda() -> bool:

@@ -147,8 +147,10 @@ def start_processes(sup: Supervisor, specs: dict[str, ProcessSpec], config: RLCo
 
 def prepare_resume_run(config: RLConfig) -> RLConfig:
     """For --resume / --resume-step: pick the committed step, delete what the run wrote after it, and return the
-    config with that step (or none: start over) given to trainer and orchestrator. Other configs are returned as is."""
+    config with that step (or none: start over) given to trainer and orchestrator. A run started without them is
+    checked and cleaned by prepare_fresh_run and returned as is."""
     if config.trainer.resume_step is None:
+        prepare_fresh_run(config)
         return config
     field = "resume_step" if config.resume_step is not None else "resume"
     run = RunDir(config.output_dir)
@@ -179,6 +181,26 @@ def prepare_resume_run(config: RLConfig) -> RLConfig:
             "orchestrator": config.orchestrator.model_copy(update={"resume_step": step}),
         }
     )
+
+
+def prepare_fresh_run(config: RLConfig) -> None:
+    """A run started without --resume: refuse a run directory holding committed checkpoints (a later --resume would
+    mix the two runs), and delete the step data (rollouts, weights, metrics records) an earlier run left, which the
+    trainer would otherwise take for this run's; only where this launch starts the orchestrator too, so that nothing
+    of this run has been written yet."""
+    committed = committed_run_steps(config.output_dir)
+    if committed:
+        raise ConfigError(
+            f"{config.output_dir} holds committed checkpoints of an earlier run (steps {committed}): continue it with "
+            f"--resume (or --resume-step N), or start afresh in another output_dir (or delete "
+            f"{RunDir(config.output_dir).checkpoints_root})"
+        )
+    if "orchestrator" not in config.deployment.run:
+        return
+    removed = prepare_resume(config.output_dir, 0)
+    if removed:
+        shown = ", ".join(removed[:4]) + (f" and {len(removed) - 4} more" if len(removed) > 4 else "")
+        _say(f"starting afresh in {config.output_dir}: removed what an earlier run left ({shown})")
 
 
 def write_admin_token(output_dir: Path) -> None:

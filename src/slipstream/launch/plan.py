@@ -60,11 +60,7 @@ def build_plan(config: RLConfig, python: str = sys.executable, gpus: Sequence[in
     placement = place_config(config, gpus)
     paths, run = config_paths(config), RunDir(config.output_dir)
     cli = [python, "-m", "slipstream"]
-    torchrun = [
-        python, "-m", "torch.distributed.run", *rendezvous_args(config),
-        "--nproc-per-node", str(placement.num_trainer_procs),
-        "-m", "slipstream",
-    ]  # fmt: skip
+    torchrun = torchrun_argv(python, rendezvous_args(config), placement.num_trainer_procs)
     env = {"PYTHONUNBUFFERED": "1"}
     specs = [
         ProcessSpec(
@@ -91,6 +87,12 @@ def build_plan(config: RLConfig, python: str = sys.executable, gpus: Sequence[in
     return [spec for spec in specs if spec.name in placement.run]
 
 
+def torchrun_argv(python: str, rendezvous: list[str], num_procs: int) -> list[str]:
+    """`python -m torch.distributed.run <rendezvous> --nproc-per-node N -m slipstream`: a Slipstream command (to
+    append) started as N ranks of this node."""
+    return [python, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node", str(num_procs), "-m", "slipstream"]
+
+
 def rendezvous_args(config: RLConfig) -> list[str]:
     """torchrun's rendezvous: standalone on one node; with launch.trainer_nodes > 1, this node's rank and trainer
     node 0's address (a static rendezvous: every node knows its rank)."""
@@ -115,8 +117,9 @@ def trainer_log_name(config: RLConfig) -> str:
 def resolve_config(config: RLConfig, gpus: Sequence[int] | None = None) -> RLConfig:
     """The config this node runs, to call before write_configs: the deployment placed on this node's GPUs (`gpus`;
     None: detect them) and what depends on it filled in: launch.num_trainer_procs, inference.data_parallel_size,
-    inference.device / trainer.device, weights.transport ("auto"), model.dtype (bfloat16 on GPUs when unset).
-    Raises ConfigError (PlacementError) naming what to change."""
+    inference.device / trainer.device, weights.transport ("auto"), model.dtype (bfloat16 on GPUs when unset),
+    inference.enforce_eager (false on GPUs, true on CPU, when unset). Raises ConfigError (PlacementError) naming
+    what to change."""
     return config.rebuilt(placement_changes(config, place_config(config, gpus)))
 
 
@@ -137,6 +140,8 @@ def placement_changes(config: RLConfig, placement: Placement) -> dict[str, Any]:
     for role, ids in (("inference", placement.inference_gpus), ("trainer", placement.trainer_gpus)):
         if role in placement.run:
             changes[role]["device"] = _device(role, getattr(config, role).device, bool(ids))
+    if "inference" in placement.run:  # CUDA graphs on GPUs, eager on CPU, unless set
+        changes["inference"]["enforce_eager"] = config.inference.eager_on(bool(placement.inference_gpus))
     if (placement.inference_gpus or placement.trainer_gpus) and "dtype" not in config.model.model_fields_set:
         changes["model"] = {"dtype": "bfloat16"}
     return changes

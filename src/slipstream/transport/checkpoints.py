@@ -35,8 +35,8 @@ its online evaluation starts with it, so their old records of K go too."""
 
 
 def is_checkpoint_step(step: int, interval: int | None, max_steps: int) -> bool:
-    """Whether `step` is checkpointed: every `interval` steps and the last step (never when interval is None)."""
-    return interval is not None and (step % interval == 0 or step == max_steps)
+    """Whether `step` is checkpointed: every `interval` steps and the last step (never when interval is 0 or None)."""
+    return bool(interval) and (step % interval == 0 or step == max_steps)
 
 
 def resume_weight_steps(committed: list[int], published: list[int], interval: int | None, max_steps: int) -> set[int]:

