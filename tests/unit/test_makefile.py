@@ -15,9 +15,13 @@ TEST_ONLY = ("apt-get", "slurmd", "slurmctld", "munge", "shellcheck", "bubblewra
 
 
 def dry_run(target: str, venv: Path, *variables: str) -> str:
+    # under `make test` the parent make's MAKEFLAGS/MAKELEVEL would make this one a sub-make (its "Entering
+    # directory" lines, its parent's flags): run it as a user would, from a shell
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
     proc = subprocess.run(
-        ["make", "-n", target, f"VENV={venv}", *variables], capture_output=True, text=True, cwd=ROOT, timeout=60
-    )
+        ["make", "-n", "--no-print-directory", target, f"VENV={venv}", *variables],
+        capture_output=True, text=True, cwd=ROOT, timeout=60, env=env,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
