@@ -59,10 +59,11 @@ async def pause_once(admin: InferenceClient) -> dict:
     await admin.post("/pause", params=PAUSE)
     waited = time.perf_counter() - start
     await admin.post("/resume")
+    timing = admin.server_timing.get("/pause")
     return {
         "client_ms": waited * 1e3,
-        "server_ms": admin.server_seconds.get("/pause", float("nan")) * 1e3,
-        "server_loop_lag_ms": admin.server_seconds.get("/pause loop lag", float("nan")) * 1e3,
+        "server_ms": (timing.handled_s if timing and timing.handled_s is not None else float("nan")) * 1e3,
+        "server_loop_lag_ms": (timing.loop_lag_s if timing and timing.loop_lag_s is not None else float("nan")) * 1e3,
     }
 
 

@@ -1,5 +1,6 @@
 """Admin endpoints reject calls without the admin token and accept them with it; inference routes stay open."""
 
+import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
@@ -51,7 +52,11 @@ def test_missing_token_refuses_to_start(monkeypatch):
 
 def test_admin_replies_say_how_long_the_server_took(client):
     from slipstream.inference.admin_token import HANDLED_MS_HEADER
+    from slipstream.rollout.client import ServerTiming
 
     reply = client.post("/pause", headers=admin_headers("s3cret"))
     assert reply.status_code == 200 and 0 <= float(reply.headers[HANDLED_MS_HEADER]) < 5000
+    timing = ServerTiming.from_headers(reply.headers)  # what the orchestrator's client reads of it
+    assert timing.handled_s == float(reply.headers[HANDLED_MS_HEADER]) / 1e3
+    assert ServerTiming.from_headers(httpx.Headers({HANDLED_MS_HEADER: "x"})) == ServerTiming(None, None)
     assert HANDLED_MS_HEADER not in client.post("/health").headers  # inference routes are left as they are

@@ -29,12 +29,14 @@ def _offer(out, step: int, **fields) -> None:
 def test_session_has_the_offers_senders_then_the_workers(tmp_path):
     loader = WeightLoader(_Client(), tmp_path, WeightsConfig(transport="gloo", master_port=29500))
     _offer(tmp_path, 1, senders=2)
-    init = asyncio.run(loader._maybe_new_session(1))
+    init = asyncio.run(loader._maybe_new_session(read_offer(tmp_path, 1)))
     assert init["world_size"] == 5 and init["rank_offset"] == 2 and init["backend"] == "gloo"
     _offer(tmp_path, 2, senders=2)
-    assert asyncio.run(loader._maybe_new_session(2)) is None  # same instance, same senders: the group stays
+    assert (
+        asyncio.run(loader._maybe_new_session(read_offer(tmp_path, 2))) is None
+    )  # same instance, same senders: the group stays
     _offer(tmp_path, 3)  # an older trainer's offer: rank 0 alone sends
-    init = asyncio.run(loader._maybe_new_session(3))
+    init = asyncio.run(loader._maybe_new_session(read_offer(tmp_path, 3)))
     assert init["world_size"] == 4 and init["rank_offset"] == 1
 
 

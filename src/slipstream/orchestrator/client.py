@@ -219,9 +219,13 @@ class InferenceClient(GenerationClient):
         try:
             await asyncio.gather(*(e.post("/pause", params={"mode": "keep", "clear_cache": "false"}) for e in engines))
             phases["pause"] = time.perf_counter() - start
-            for key, phase in (("/pause", "pause_server"), ("/pause loop lag", "server_loop_lag")):
-                if values := [e.server_seconds.pop(key) for e in engines if key in e.server_seconds]:
-                    phases[phase] = max(values)  # loop lag: the worst since the last update's calls (generation)
+            timings = [t for e in engines if (t := e.server_timing.pop("/pause", None)) is not None]
+            for phase, values in (
+                ("pause_server", [t.handled_s for t in timings]),
+                ("server_loop_lag", [t.loop_lag_s for t in timings]),  # the worst since the update before
+            ):
+                if known := [v for v in values if v is not None]:
+                    phases[phase] = max(known)
             if on_paused is not None:
                 accepted = time.perf_counter()
                 on_paused()
@@ -287,8 +291,9 @@ class InferenceClient(GenerationClient):
             nonlocal last
             now = time.perf_counter()
             phases[name], last = now - last, now
-            if path in self.server_seconds:  # the server's own part (inference/auth.py's reply header)
-                phases[f"{name}_server"] = self.server_seconds.pop(path)
+            timing = self.server_timing.pop(path, None)  # the server's own part (inference/auth.py's reply header)
+            if timing is not None and timing.handled_s is not None:
+                phases[f"{name}_server"] = timing.handled_s
 
         if init_info is not None:
             await self.post("/init_weight_transfer_engine", json={"init_info": init_info})

@@ -84,7 +84,7 @@ class WeightLoader:
             load = await self.client.load_weights(version, info, before_resume=before_resume)
             mark_delivered(self.output_dir, version, "ipc")  # the trainer may write its buffer again
             return load
-        init_info = await self._maybe_new_session(version)
+        init_info = await self._maybe_new_session(offer)
         session = self.session
         assert session is not None  # set by _maybe_new_session
 
@@ -100,9 +100,9 @@ class WeightLoader:
             self.session = None  # the group may be broken: the next broadcast opens a new session
             raise
 
-    async def _maybe_new_session(self, version: int) -> dict[str, Any] | None:
-        """init_info of a new session when there is none for the current inference instance, else None."""
-        offer = read_offer(self.output_dir, version)
+    async def _maybe_new_session(self, offer: dict) -> dict[str, Any] | None:
+        """init_info of a new session when there is none for the current inference instance (or the trainer's
+        `offer` comes from another number of senders), else None."""
         senders = offer["senders"]
         session = self.session
         if session is not None and session.instance == self.client.instance and session.senders == senders:

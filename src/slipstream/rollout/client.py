@@ -15,6 +15,7 @@ import json
 import math
 import re
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Self
 
 import httpx
@@ -56,6 +57,25 @@ def request_error(where: str, status: int, text: str) -> InferenceError:
     return InferenceError(message)
 
 
+@dataclass(frozen=True)
+class ServerTiming:
+    """An admin reply's diagnostics: the server's own seconds on the call, and its event loop's worst lateness since
+    the admin call before (None where a header is missing or unreadable: diagnostics never fail a call)."""
+
+    handled_s: float | None
+    loop_lag_s: float | None
+
+    @classmethod
+    def from_headers(cls, headers: httpx.Headers) -> "ServerTiming":
+        def seconds(header: str) -> float | None:
+            try:
+                return float(headers[header]) / 1e3
+            except (KeyError, ValueError):
+                return None
+
+        return cls(seconds(HANDLED_MS_HEADER), seconds(LOOP_LAG_MS_HEADER))
+
+
 class GenerationClient:
     """Async client of the generation side of one vLLM OpenAI-compatible server (or of a vllm-router in front of
     several engines). Use as `async with client:`."""
@@ -74,9 +94,8 @@ class GenerationClient:
         """Why the server was lost; None while it is available. Generation requests are refused while set."""
         self.on_unavailable: Callable[[InferenceUnavailable], None] = lambda error: None
         """Called whenever a call finds the server unavailable (the weight relay starts its recovery)."""
-        self.server_seconds: dict[str, float] = {}
-        """Path -> the server's own seconds on the last admin call to it (the reply's X-Slipstream-Handled-Ms);
-        "<path> loop lag" -> the server loop's worst lateness before it (X-Slipstream-Loop-Lag-Ms)."""
+        self.server_timing: dict[str, ServerTiming] = {}
+        """Path -> what the server said of the last admin call to it (inference/auth.py's reply headers)."""
 
     @property
     def available(self) -> bool:
@@ -150,12 +169,8 @@ class GenerationClient:
             raise InferenceError(f"{where} failed: {type(e).__name__}: {e}") from e
         self._check_instance(response, expected, where)
         self._check_refusal(path, response, where)
-        for header, key in ((HANDLED_MS_HEADER, path), (LOOP_LAG_MS_HEADER, f"{path} loop lag")):
-            if (value := response.headers.get(header)) is not None:
-                try:
-                    self.server_seconds[key] = float(value) / 1e3
-                except ValueError:
-                    pass  # a diagnostic only
+        if HANDLED_MS_HEADER in response.headers:
+            self.server_timing[path] = ServerTiming.from_headers(response.headers)
         if response.status_code >= 500:
             raise self._unavailable(f"{where} returned HTTP {response.status_code}: {response.text[:500]}")
         if response.status_code != 200:

@@ -69,7 +69,8 @@ class WeightReceiver:
 
     def receive(self, update_info: dict, load: Loader, direct: DirectLoader | None = None) -> ReceiveStats:
         """Take one version: `{"step": N, "path": folder}` reads the folder's safetensors; `{"step": N, "manifest":
-        {...}}` receives the manifest's buckets from the sender's broadcast. `direct` may load a bucket of several
+        {...}}` receives the manifest's buckets from the sender's broadcast, or with `"shared": handle` reads them from
+        the trainer's shared buffer. `direct` may load a bucket of several
         senders' pieces straight from its wire buffer (transport/bucket_receive.py); `load` gets every other one."""
         start = time.perf_counter()
         step = update_info.get("step") if isinstance(update_info, dict) else None
@@ -79,44 +80,44 @@ class WeightReceiver:
             if not isinstance(update_info["path"], str) or not update_info["path"]:
                 raise ValueError(f"update_info 'path' must be a folder path, got {update_info['path']!r:.200}")
             names, num_bytes = _load_folder(Path(update_info["path"]), load)
-            num_tensors, source = len(names), str(update_info["path"])
-        elif "shared" in update_info:  # the ipc transport: the trainer's buffer, mapped (transport/shared_buffer.py)
-            manifest = Manifest.from_dict(update_info.get("manifest"))
-            if manifest.step != step:
-                raise ValueError(f"update_info step {step} but its manifest is of step {manifest.step}")
-            flat = open_shared(update_info["shared"], self.device)
-            offsets, total = bucket_offsets([b.nbytes for b in manifest.buckets])
-            if total > flat.numel():
-                raise ValueError(f"the shared weights buffer holds {flat.numel()} bytes, the manifest needs {total}")
-            for offset, bucket in zip(offsets, manifest.buckets, strict=True):
-                load(unpack(flat[offset : offset + bucket.nbytes], bucket))
-            num_tensors, num_bytes = manifest.num_tensors, manifest.nbytes
-            source = "shared memory"
-            names = {t.name for b in manifest.buckets for t in b.tensors}
+            source = str(update_info["path"])
         elif "manifest" in update_info:
-            if self.group is None:
-                raise RuntimeError(
-                    "weights arrive by broadcast but this worker has not joined the sender's group: call "
-                    "/init_weight_transfer_engine first"
-                )
             manifest = Manifest.from_dict(update_info["manifest"])
             if manifest.step != step:
                 raise ValueError(f"update_info step {step} but its manifest is of step {manifest.step}")
-            for pairs in receive_buckets(self.group, manifest, self.device, self.buffers, direct):
-                load(pairs)
-            num_tensors, num_bytes = manifest.num_tensors, manifest.nbytes
-            source = "broadcast"
-            names = {t.name for b in manifest.buckets for t in b.tensors}
+            if "shared" in update_info:  # the ipc transport: the trainer's buffer, mapped (transport/shared_buffer.py)
+                _load_shared(update_info["shared"], manifest, self.device, load)
+                source = "shared memory"
+            else:
+                if self.group is None:
+                    raise RuntimeError(
+                        "weights arrive by broadcast but this worker has not joined the sender's group: call "
+                        "/init_weight_transfer_engine first"
+                    )
+                for pairs in receive_buckets(self.group, manifest, self.device, self.buffers, direct):
+                    load(pairs)
+                source = "broadcast"
+            names, num_bytes = {t.name for b in manifest.buckets for t in b.tensors}, manifest.nbytes
         else:
-            raise ValueError(f"update_info needs 'path', 'shared' or 'manifest' (got keys {sorted(update_info)})")
+            raise ValueError(f"update_info needs 'path' or 'manifest' (got keys {sorted(update_info)})")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return ReceiveStats(step, num_tensors, num_bytes, time.perf_counter() - start, source, frozenset(names))
+        return ReceiveStats(step, len(names), num_bytes, time.perf_counter() - start, source, frozenset(names))
 
     def shutdown(self) -> None:
         self.buffers.release()
         close_group(self.group)
         self.group, self.store, self.init = None, None, None
+
+
+def _load_shared(handle: dict, manifest: Manifest, device: torch.device, load: Loader) -> None:
+    """Hand `load` each bucket of `manifest`, read in place from the shared buffer `handle` names."""
+    flat = open_shared(handle, device)
+    offsets, total = bucket_offsets([b.nbytes for b in manifest.buckets])
+    if total > flat.numel():
+        raise ValueError(f"the shared weights buffer holds {flat.numel()} bytes, the manifest needs {total}")
+    for offset, bucket in zip(offsets, manifest.buckets, strict=True):
+        load(unpack(flat[offset : offset + bucket.nbytes], bucket))
 
 
 def _load_folder(folder: Path, load: Loader) -> tuple[set[str], int]:
