@@ -4,6 +4,11 @@ metrics.jsonl; and the generation baseline: the same requests sent to Slipstream
 flags) and to a bare vLLM server of the same model and engine flags.
 
     python benchmarks/gpu_loop.py --model DIR --name smollm2 --steps 20 --async-levels 1 0 --baseline
+    python benchmarks/gpu_loop.py --model DIR --name smollm2 --steps 10 --async-levels 0 --colocate   # 1 GPU
+
+`--colocate` runs vLLM and the trainer on GPU 0 taking turns (deployment.colocate; vLLM sleeps at `--sleep-level`
+while the trainer steps, weights through CUDA IPC) and adds the turns' medians (`colocate_ms`: draining requests,
+sleeping, waking, the trainer's turn) and the memory each process held at its peak (nvidia-smi, sampled).
 
 Per run it prints the medians over the steps after the first two (warm-up: CUDA graphs, first updates):
 - `gen_tok_s`: completion tokens of the step's batch over the time the orchestrator spent generating it;
@@ -28,6 +33,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -51,7 +57,9 @@ def rl_config(model: str, out: Path, steps: int, async_level: int, args: argpars
         "output_dir": str(out),
         "seed": 0,
         "model": {"name": model, "dtype": "bfloat16"},
-        "deployment": {"gpus": [0, 1]},
+        "deployment": (
+            {"gpus": [0], "colocate": True, "sleep_level": args.sleep_level} if args.colocate else {"gpus": [0, 1]}
+        ),
         "inference": inference,
         "orchestrator": {
             "batch_size": args.batch_size,
@@ -72,11 +80,63 @@ def run_loop(model: str, out: Path, steps: int, async_level: int, args: argparse
     path = out / "rl.toml"
     path.write_text(tomli_w.dumps(rl_config(model, out / "run", steps, async_level, args)))
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "slipstream", "rl", "-c", str(path)], capture_output=True, text=True)
+    with GpuMemorySampler() as memory:
+        proc = subprocess.run(
+            [sys.executable, "-m", "slipstream", "rl", "-c", str(path)], capture_output=True, text=True
+        )
     wall = time.perf_counter() - start
+    (out / "launcher.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise SystemExit(f"slipstream rl failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return summarize(out / "run", wall)
+    return summarize(out / "run", wall) | {"gpu_peak_gib": memory.peaks()}
+
+
+class GpuMemorySampler:
+    """Samples nvidia-smi's per-process GPU memory every 0.5 s in a thread; `peaks()`: each process's largest, named
+    by its role (vLLM's engine, the trainer, ...) from its command line."""
+
+    def __init__(self) -> None:
+        self.peak: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "GpuMemorySampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        query = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+        while not self._stop.wait(0.5):
+            try:
+                out = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            for line in out.splitlines():
+                pid, _, mib = line.partition(",")
+                if pid.strip().isdigit() and mib.strip().isdigit():
+                    self.peak[int(pid)] = max(self.peak.get(int(pid), 0.0), int(mib) / 1024)
+
+    def peaks(self) -> dict[str, float]:
+        named: dict[str, float] = {}
+        for pid, gib in self.peak.items():
+            role = _role(pid)
+            named[role] = max(named.get(role, 0.0), round(gib, 2))
+        return named
+
+
+def _role(pid: int) -> str:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return f"pid {pid} (gone)"
+    for needle, role in (("trainer", "trainer"), ("inference", "vllm"), ("VLLM", "vllm"), ("vllm", "vllm")):
+        if needle in cmd:
+            return role
+    return f"pid {pid}"
 
 
 def _median(records: list[dict], key: str, scale: float = 1.0) -> float | None:
@@ -118,6 +178,12 @@ def summarize(run: Path, wall: float) -> dict:
         "mismatch_kl_median": _median(metrics, "mismatch_kl"),
         "reward_first": metrics[0].get("reward/mean"),
         "reward_last": metrics[-1].get("reward/mean"),
+        "colocate_ms": {
+            k.split("/")[-1][:-2]: _median(steady, k, 1e3)
+            for k in ("colocate/drain_s", "colocate/sleep_s", "colocate/wake_s", "colocate/trainer_turn_s")
+            if any(k in m for m in steady)
+        },
+        "trainer_peak_reserved_gib": _median(steady, "memory/peak_reserved_gib"),
         "checks_passed": f"{sum(c['passed'] for c in loads)}/{len(loads)}",
         "floor": floor,
         "min_margin": min((c["margin"] for c in loads), default=None),
@@ -216,6 +282,8 @@ def main() -> None:
     p.add_argument("--router-replay", action="store_true", help="MoE: train on the experts vLLM routed to")
     p.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share of GPU 0")
     p.add_argument("--stream-interval", type=int, default=1, help="inference.stream_interval (tokens per chunk)")
+    p.add_argument("--colocate", action="store_true", help="vLLM and the trainer share GPU 0, taking turns")
+    p.add_argument("--sleep-level", type=int, default=1, choices=(0, 1, 2), help="deployment.sleep_level")
     p.add_argument("--out", type=Path, default=Path("outputs/gpu_loop"))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -224,9 +292,8 @@ def main() -> None:
         results["generation"] = baseline(args.model, args)
         print(f"{args.name} generation: {json.dumps(results['generation'])}", flush=True)
     for level in args.async_levels:
-        results[f"async_{level}"] = run_loop(
-            args.model, args.out / f"{args.name}_async{level}", args.steps, level, args
-        )
+        where = f"{args.name}_async{level}" + (f"_colocated{args.sleep_level}" if args.colocate else "")
+        results[f"async_{level}"] = run_loop(args.model, args.out / where, args.steps, level, args)
         print(f"{args.name} max_async_level={level}: {json.dumps(results[f'async_{level}'])}", flush=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=2))
 

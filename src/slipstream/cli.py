@@ -37,6 +37,7 @@ commands:
   env           `env init NAME`: write an installable environment package (docs/environments.md)
   k8s           `k8s render -c rl.toml --out DIR`: write Kubernetes manifests of the run (docs/kubernetes.md)
   plan          `plan -c rl.toml --nodes N --gpu h200 --workload FILE`: split GPUs between inference and trainer
+                (simulated); `plan --colocate -c rl.toml --gpu h200`: does the model fit on one shared GPU
   doctor        check this machine for a run, one line per check with the fix: Python, torch + GPUs, NCCL,
                 vLLM against the supported range, the sandbox (bubblewrap), free disk, default ports;
                 --slurm: sbatch too; --output-dir DIR: the disk to check. Exits 1 if a check FAILs

@@ -106,6 +106,9 @@ class SimServer:
             Route("/v1/completions", _guarded(self.completions), methods=["POST"]),
             Route("/pause", _guarded(self.pause), methods=["POST"]),
             Route("/resume", self.resume, methods=["POST"]),
+            Route("/sleep", _guarded(self.sleep), methods=["POST"]),
+            Route("/wake_up", _guarded(self.wake_up), methods=["POST"]),
+            Route("/is_sleeping", self.is_sleeping, methods=["GET"]),
             Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
             Route("/init_weight_transfer_engine", _guarded(self.init_weight_transfer), methods=["POST"]),
             Route("/start_weight_update", _guarded(self.start_weight_update), methods=["POST"]),
@@ -170,6 +173,21 @@ class SimServer:
     async def resume(self, request: Request) -> Response:
         self.engine.resume()
         return JSONResponse({"status": "resumed"})
+
+    async def sleep(self, request: Request) -> Response:
+        level = request.query_params.get("level", "1")
+        if not level.isdigit():
+            raise SimRequestError(f"level must be an integer (got {level!r})")
+        await self.engine.sleep(int(level), request.query_params.get("mode", "abort"))
+        return JSONResponse({"status": "sleeping", "level": int(level)})
+
+    async def wake_up(self, request: Request) -> Response:
+        tags = request.query_params.getlist("tags") or None
+        awake = self.engine.wake_up(tags)
+        return JSONResponse({"status": "awake" if awake else "sleeping", "tags": tags})
+
+    async def is_sleeping(self, request: Request) -> Response:
+        return JSONResponse({"is_sleeping": self.engine.sleeping})
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         self.num_prefix_cache_resets += 1

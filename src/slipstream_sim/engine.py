@@ -88,6 +88,14 @@ class SimEngine:
         self.frozen = False
         """Pause mode "keep": in-flight sequences make no progress."""
         self.closed = False
+        self.asleep: set[str] = set()
+        """What vLLM's sleep mode has freed ("weights", "kv_cache"): generation and weight loads need them back."""
+        self.sleeping = False
+        """Between /sleep and the /wake_up that leaves nothing asleep (level 0 frees nothing but still sleeps)."""
+        self.sleep_calls: list[int] = []
+        self.requests_while_sleeping = 0
+        """Generation requests that arrived while asleep (vLLM holds them until it wakes)."""
+        self.wake_calls: list[list[str] | None] = []
         self.records: list[RequestRecord] = []
         self.loads: list[str] = []
         self.num_held = self.num_waiting = self.num_running = 0
@@ -99,6 +107,7 @@ class SimEngine:
         self._changed: asyncio.Future | None = None
 
     def record(self, endpoint: str, cache_salt: str | None, n: int, max_tokens: int) -> None:
+        self.requests_while_sleeping += self.sleeping
         self.records.append(RequestRecord(endpoint, cache_salt, n, max_tokens, self.version, time.time()))
 
     def sequences(self, plans: list[tuple[list[int], str]], streamed: bool = False) -> list[Sequence]:
@@ -122,6 +131,7 @@ class SimEngine:
                 await self._state_change()
         finally:
             self.num_held -= len(seqs)
+        self.check_awake("generation")
         if self.closed:
             raise SimClosedError("the simulated server is shutting down")
         self.prompt_tokens_total += num_prompt_tokens
@@ -203,6 +213,31 @@ class SimEngine:
     def resume(self) -> None:
         self.paused = self.frozen = False
         self._notify()
+
+    async def sleep(self, level: int, mode: PauseMode) -> None:
+        """vLLM's /sleep: pause (mode), then free the KV cache and the weights (level >= 1; level 0 frees nothing)."""
+        if level not in (0, 1, 2):
+            raise SimRequestError(f"sleep level must be 0, 1 or 2 (got {level})")
+        await self.pause(mode)
+        self.sleep_calls.append(level)
+        self.sleeping = True
+        if level >= 1:
+            self.asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None) -> bool:
+        """vLLM's /wake_up: restore what `tags` names (None: everything); scheduling resumes once nothing is asleep.
+        Returns whether it is fully awake."""
+        self.wake_calls.append(tags)
+        self.asleep -= set(self.asleep if tags is None else tags)
+        if self.sleeping and not self.asleep:
+            self.sleeping = False
+            self.resume()
+        return not self.sleeping
+
+    def check_awake(self, what: str) -> None:
+        """Generation and weight loads touch the memory sleep frees: refuse them while it is freed."""
+        if self.asleep:
+            raise SimRequestError(f"{what} while {', '.join(sorted(self.asleep))} sleep; call POST /wake_up first")
 
     def serve_version(self, version: int, source: str) -> None:
         """Serve policy `version` from now on (the end of a weight update; `source` is recorded in `loads`)."""

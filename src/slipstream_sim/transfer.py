@@ -44,6 +44,8 @@ class SimWeightTransfer:
             raise SimRequestError("start_weight_update called while a weight update is already active")
         if self.config.require_pause_for_load and not self.engine.paused:
             raise SimRequestError("weight update while generation is running; call POST /pause first")
+        if "weights" in self.engine.asleep:
+            self.engine.check_awake("weight update")
         self.active = True
 
     async def update(self, update_info: dict[str, Any]) -> None:

@@ -1,7 +1,9 @@
-"""Weights through shared memory (`weights.transport = "ipc"`, the CPU twin of CUDA IPC between a colocated trainer and
-vLLM): a tiny model trains with every version laid out in the trainer's shared buffer and copied in place by
-Slipstream's engine inside vLLM's CPU build, verified by the probe as exactly as through files; the last version is
-written to disk, and nothing is left in shared memory after the run."""
+"""A colocated run on CPU (`deployment.colocate = true`, the twin of vLLM and the trainer sharing one GPU) with weights
+through shared memory (`weights.transport = "ipc"`, the CPU twin of CUDA IPC): the orchestrator puts vLLM's CPU build
+to sleep before each batch is written and wakes it before each load (the CPU build frees no memory, but the calls,
+the pause and the alternation are the real ones); a tiny model trains with every version laid out in the trainer's
+shared buffer and copied in place by Slipstream's engine inside vLLM, verified by the probe as exactly as through
+files; the last version is written to disk, and nothing is left in shared memory after the run."""
 
 import json
 import subprocess
@@ -23,11 +25,13 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def test_ipc_transport_trains_with_exact_verified_updates(tiny_qwen3_dir, tmp_path, run_env):
+def test_colocated_run_with_ipc_transport_trains_with_exact_verified_updates(tiny_qwen3_dir, tmp_path, run_env):
     _, env = run_env
     out = tmp_path / "run"
     shm_before = set(SHM_DIR.glob("slipstream-weights-*")) if SHM_DIR.is_dir() else set()
-    config = tiny_rl_config(tiny_qwen3_dir, out, max_steps=MAX_STEPS, weights={"transport": "ipc"})
+    config = tiny_rl_config(
+        tiny_qwen3_dir, out, max_steps=MAX_STEPS, weights={"transport": "ipc"}, deployment={"colocate": True}
+    )
     path = write_config(tmp_path / "rl.toml", config)
     proc = subprocess.run(
         [sys.executable, "-m", "slipstream", "rl", "-c", str(path)],
@@ -37,8 +41,15 @@ def test_ipc_transport_trains_with_exact_verified_updates(tiny_qwen3_dir, tmp_pa
         timeout=800,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert "colocated on CPU: vLLM and the trainer take turns" in proc.stdout
     metrics = _read_jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, MAX_STEPS + 1))
+    # every batch was handed over with vLLM asleep; from the second on, vLLM was woken for the load before it
+    assert all(m["colocate/sleep_level"] == 1 and m["colocate/sleep_s"] >= 0 for m in metrics), metrics
+    assert all(m["colocate/wake_s"] >= 0 and m["colocate/trainer_turn_s"] > 0 for m in metrics[1:]), metrics
+    assert all(m["policy/lag_max"] <= 1 for m in metrics)
+    inference_log = (out / "logs" / "inference.log").read_text()
+    assert inference_log.count("sleep mode is not supported on CPU") >= 2 * (MAX_STEPS - 1)  # real calls, CPU build
     checks = [c for c in _read_jsonl(out / "weight_checks.jsonl") if c["kind"] == "update"]
     assert checks and all(c["passed"] for c in checks) and checks[-1]["step"] == MAX_STEPS, checks
     assert max(c["max_abs_diff"] for c in checks) < 1e-4, checks  # float32 both sides: as exact as through files

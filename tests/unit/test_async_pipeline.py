@@ -8,7 +8,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from slipstream.config.orchestrator import OrchestratorConfig
@@ -95,9 +95,14 @@ def config_for(tmp_path: Path, url: str, **overrides) -> OrchestratorConfig:
 
 
 def drive(
-    config: OrchestratorConfig, tasks: list[Task], publish: Callable[[Path, int], None] = publish
+    config: OrchestratorConfig,
+    tasks: list[Task],
+    publish: Callable[[Path, int], None] = publish,
+    trainer_turn: Callable[[RolloutPipeline, int], Awaitable[dict]] | None = None,
 ) -> tuple[list[tuple[list[Rollout], dict]], RolloutPipeline]:
-    """Take every batch; publish weights/step_n right after batch n (an instant trainer), except the last."""
+    """Take every batch; publish weights/step_n right after batch n (an instant trainer), except the last.
+    `trainer_turn` (colocated runs): awaited after each batch, before its version is published (then every version
+    is, the last one too, and the run ends serving it); its metrics join the batch's."""
 
     async def main():
         async with InferenceClient(config.inference_url, config.model.name, config.request_timeout_s) as client:
@@ -107,9 +112,13 @@ def drive(
             async with pipeline.running():
                 for step in range(1, config.max_steps + 1):
                     rollouts, metrics = await pipeline.next_batch(step)
+                    if trainer_turn is not None:
+                        metrics |= await trainer_turn(pipeline, step)
                     batches.append((rollouts, metrics | rollout_metrics(step, rollouts, 0)))
-                    if step < config.max_steps:
+                    if step < config.max_steps or trainer_turn is not None:
                         publish(config.output_dir, step)
+            if trainer_turn is not None:
+                await relay.load_final(config.max_steps)
             return batches, pipeline
 
     return asyncio.run(main())

@@ -30,8 +30,15 @@ def test_examples_are_found():
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: f"{p.parent.name}/{p.name}")
-def test_example_parses_places_and_renders(path, tmp_path):
+def test_example_parses_places_and_renders(path, tmp_path, monkeypatch):
     config = load_config(RLConfig, ["-c", str(path), "--output-dir", str(tmp_path / "run")])
+    if config.deployment.colocate:  # the memory plan reads the GPU (an H200 here) and the model (SmolLM2's size)
+        from slipstream.launch import plan as plan_module
+        from slipstream.launch.colocate_memory import ModelShape
+
+        monkeypatch.setattr(plan_module, "gpu_memory_bytes", lambda ids: 143_771 * 2**20)
+        monkeypatch.setattr(plan_module, "model_parameters", lambda folder: 134_515_008)
+        monkeypatch.setattr(ModelShape, "read", classmethod(lambda cls, folder: cls(49_152, 576, 30)))
     for visible in nodes(path):
         resolved = resolve_config(config, visible)
         specs = {spec.name: spec for spec in build_plan(resolved, gpus=visible)}
@@ -42,7 +49,8 @@ def test_example_parses_places_and_renders(path, tmp_path):
         expected = config.model.dtype if "dtype" in config.model.model_fields_set else default
         assert resolved.model.dtype == expected
         transport = config.weights.transport if "transport" in config.weights.model_fields_set else None
-        assert resolved.weights.transport == (transport or ("nccl" if visible else "filesystem"))
+        auto = ("ipc" if resolved.trainer.colocated else "nccl") if visible else "filesystem"
+        assert resolved.weights.transport == (transport or auto)
         if "inference" not in specs:  # served from elsewhere (orchestrator.inference_url), e.g. count_shapes' stand-in
             assert resolved.orchestrator.inference_url is not None
             continue
@@ -50,6 +58,7 @@ def test_example_parses_places_and_renders(path, tmp_path):
         _, engine = parse_vllm_argv(argv)
         assert engine.tensor_parallel_size * engine.data_parallel_size == max(len(resolved_ids(specs)), 1)
         assert engine.dtype == expected
+        assert engine.enable_sleep_mode == (resolved.trainer.colocated and bool(visible))
 
 
 def resolved_ids(specs) -> list[str]:

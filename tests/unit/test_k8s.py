@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from slipstream.cli import main as cli_main
+from slipstream.config.base import ConfigError
 from slipstream.config.inference import InferenceConfig
 from slipstream.config.loader import load_config
 from slipstream.config.orchestrator import OrchestratorConfig
@@ -17,7 +18,13 @@ from slipstream.config.rl import RLConfig
 from slipstream.config.trainer import TrainerConfig
 from slipstream.deploy.k8s import render_manifests, to_yaml
 
-EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*/rl*.toml"))
+COLOCATED = {"reverse_text/rl-1gpu-smollm2.toml"}
+"""Examples that share one GPU between vLLM and the trainer: one machine's job, not pods."""
+EXAMPLES = sorted(
+    p
+    for p in (Path(__file__).parents[2] / "examples").glob("*/rl*.toml")
+    if f"{p.parent.name}/{p.name}" not in COLOCATED
+)
 GPU_EXAMPLES = {"qwen3_30b_a3b/rl.toml": 8, "reverse_text/rl-gpu.toml": 2, "reverse_text/rl-gpu-smollm2.toml": 2}
 
 
@@ -41,6 +48,12 @@ def test_example_manifests_validate_against_the_kubernetes_schemas(path):
             kubernetes_validate.validate(manifest, kubernetes_validate.latest_version(), strict=True)
     kinds = sorted(kind for kind, _ in _by_kind(files))
     assert kinds == ["ConfigMap", "PersistentVolumeClaim", "Secret"] + ["Service"] * 3 + ["StatefulSet"] * 3
+
+
+def test_a_colocated_run_is_refused_with_the_fix():
+    path = Path(__file__).parents[2] / "examples" / sorted(COLOCATED)[0]
+    with pytest.raises(ConfigError, match=r"manifests run each process in its own pod.*deployment.colocate = false"):
+        render_manifests(load_config(RLConfig, ["-c", str(path), "--kubernetes.gpus", "1"]), token="t0ken")
 
 
 def test_gpu_split_names_token_and_configs():

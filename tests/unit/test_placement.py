@@ -136,7 +136,11 @@ def test_detect_visible_gpus_reads_cuda_visible_devices():
 @pytest.mark.parametrize(
     ("sections", "visible", "message"),
     [
-        ({}, [0], r"inference and the trainer each need their own GPU, but 1 is usable"),
+        (
+            {"deployment": {"colocate": False}},
+            [0],
+            r"inference and the trainer each need their own GPU, but 1 is usable.*deployment.colocate = true",
+        ),
         ({"deployment": {"gpus": [0, 5]}}, [0, 1], r"deployment.gpus lists GPU\(s\) \[5\], but this node shows"),
         ({"deployment": {"inference_gpus": 3}}, [0, 1], r"deployment.inference_gpus asks for 3 GPUs, but only 2"),
         ({"deployment": {"trainer_gpus": [7]}}, [0, 1], r"deployment.trainer_gpus lists GPU\(s\) \[7\] that are not"),

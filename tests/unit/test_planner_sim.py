@@ -162,6 +162,7 @@ def test_dispatch_rule_is_the_pipelines():
             _num_in_flight=lambda: len(sim.ledger.in_flight) * c.group_size,
             group_size=c.group_size,
             limit=sim.limit,
+            _trainer_turn=lambda: False,  # the simulation plans side-by-side runs, never colocated ones
         )
         checked.append((RolloutPipeline._dispatch_state(view), sim._dispatch_state()))
         react()

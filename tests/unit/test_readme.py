@@ -103,6 +103,27 @@ def place_gpu_example(tokens: list[str], tmp_path: Path) -> None:
     assert (engine.dtype, engine.enforce_eager, engine.tensor_parallel_size) == ("bfloat16", False, 1)
 
 
+def place_colocated_example(tokens: list[str], tmp_path: Path) -> None:
+    """Loaded and placed on a one-GPU node (an H200, the example's SmolLM2 sized from its parameter count): vLLM and
+    the trainer both on GPU 0, weights through CUDA IPC, vLLM with sleep mode and the share the memory plan gives it;
+    vLLM's own parser reads the command line back."""
+    from slipstream.launch import plan as plan_module
+    from slipstream.launch.colocate_memory import ModelShape
+
+    config = load_config(RLConfig, [*tokens[2:], "--output-dir", str(tmp_path / "run")])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan_module, "gpu_memory_bytes", lambda ids: 143_771 * 2**20)
+        mp.setattr(plan_module, "model_parameters", lambda folder: 134_515_008)
+        mp.setattr(ModelShape, "read", classmethod(lambda cls, folder: cls(49_152, 576, 30)))
+        resolved = resolve_config(config, [0])
+        specs = {spec.name: spec for spec in build_plan(resolved, gpus=[0])}
+    assert specs["inference"].env["CUDA_VISIBLE_DEVICES"] == specs["trainer"].env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert resolved.weights.transport == "ipc" and resolved.trainer.colocated
+    assert resolved.orchestrator.colocate is not None and resolved.inference.gpu_memory_utilization == 0.9
+    _, engine = parse_vllm_argv(build_vllm_argv(resolved.inference, Path("/models/example")))
+    assert engine.enable_sleep_mode and engine.gpu_memory_utilization == 0.9
+
+
 def run_slurm_quickstart(tokens: list[str], tmp_path: Path) -> None:
     """`rl.toml` is the Slurm example. `--dry-run` writes the job and prints the sbatch command; the submitting forms
     write it too and stop at sbatch, which a PATH without Slurm lacks; `--resume` reaches every node's config."""
@@ -139,6 +160,10 @@ def claim(tokens: list[str]) -> Callable[[list[str], Path], None] | None:
             return run_doctor
         case ["docker", "build", "-t", _, "."]:
             return check_docker_build
+        case ["slipstream", "rl", "-c", path] if (
+            path.startswith("examples/") and "colocate = true" in (ROOT / path).read_text()
+        ):
+            return place_colocated_example
         case ["slipstream", "rl", "-c", path] if (
             path.startswith("examples/") and "[deployment]" in (ROOT / path).read_text()
         ):

@@ -42,11 +42,45 @@ class DeploymentConfig(BaseConfig):
     rank per GPU (launch.num_trainer_procs follows it). None: the default split (see above). Ignored where the
     trainer does not run (deployment.run)."""
 
+    colocate: bool | None = None
+    """vLLM and the trainer on the same GPU(s), taking turns: the orchestrator generates a batch, puts vLLM to sleep
+    (`sleep_level`), the trainer trains on it and publishes the new weights (weights.transport `ipc`: CUDA IPC, no
+    files), vLLM wakes, loads them and generates the next batch. Every GPU of `gpus` serves both (vLLM's tensor x
+    data parallel and the trainer's ranks each cover them all). None: colocated when inference and the trainer both
+    run here, on exactly one GPU, with neither inference_gpus nor trainer_gpus set (one GPU could not be split);
+    false otherwise. true on CPU runs the same alternating schedule (vLLM's CPU build frees no memory when asleep).
+    Needs the orchestrator here too (it drives the turns). See docs/colocate.md."""
+
+    sleep_level: Literal[0, 1, 2] = 1
+    """What vLLM gives up while the trainer has the GPU (colocated runs; vLLM's sleep mode, `--enable-sleep-mode`):
+    1: its KV cache is freed and its weights are moved to CPU memory (default; the trainer gets all but vLLM's
+    CUDA context and graphs); 2: weights freed too, nothing copied (each version is loaded whole anyway: faster than
+    1 where host memory is slow or short; not with model.lora, whose base weights are never sent again; the run's
+    first turn uses level 1 so the weight check can calibrate on the initial weights); 0: nothing is freed, vLLM only
+    stops scheduling (when both fit side by side: no sleep/wake cost)."""
+
     @model_validator(mode="after")
     def _check_roles(self) -> "DeploymentConfig":
         if not self.run or len(set(self.run)) != len(self.run):
             raise ValueError(
                 f"deployment.run must list each of {', '.join(ROLES)} at most once, and at least one (got {self.run})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_colocate(self) -> "DeploymentConfig":
+        if not self.colocate:
+            return self
+        if missing := [role for role in ROLES if role not in self.run]:
+            raise ValueError(
+                f"deployment.colocate = true needs inference, the trainer and the orchestrator on this node (it drives "
+                f"their turns on the GPU), but deployment.run leaves out {', '.join(missing)}; run all three here, or "
+                "set colocate = false"
+            )
+        if self.inference_gpus is not None or self.trainer_gpus is not None:
+            raise ValueError(
+                "deployment.colocate = true gives every GPU of deployment.gpus to both vLLM and the trainer; drop "
+                "deployment.inference_gpus / deployment.trainer_gpus (choose the GPUs with deployment.gpus)"
             )
         return self
 

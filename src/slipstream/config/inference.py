@@ -82,8 +82,13 @@ class InferenceConfig(BaseConfig):
     """Return each request's routed experts (`--enable-return-routed-experts`, vLLM's GPU build only), which the
     orchestrator passes to the trainer for router replay (orchestrator.router_replay)."""
 
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
-    """Fraction of GPU memory vLLM may take (GPU builds only)."""
+    gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0)
+    """Fraction of GPU memory vLLM may take (GPU builds only). None: 0.9, or in a colocated run (deployment.colocate)
+    what the trainer leaves (`slipstream rl` plans it from the model's size: launch/colocate_memory.py)."""
+
+    enable_sleep_mode: bool = False
+    """Start vLLM with `--enable-sleep-mode` (GPU builds only: vLLM's CPU build refuses the flag), so /sleep can free
+    its KV cache and weights. `slipstream rl` sets it for colocated runs on GPUs with deployment.sleep_level >= 1."""
 
     tensor_parallel_size: int = Field(1, ge=1)
     """Tensor-parallel degree of each vLLM engine (`--tensor-parallel-size`); must divide the model's attention

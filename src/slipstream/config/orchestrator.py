@@ -226,6 +226,14 @@ class OnlineEvalConfig(BaseConfig):
         return self.interval > 0
 
 
+class ColocateConfig(BaseConfig):
+    """The orchestrator's side of a colocated run (deployment.colocate): it hands the GPU to the trainer after each
+    batch and takes it back with the trainer's new weights (orchestrator/colocate.py)."""
+
+    sleep_level: int = Field(1, ge=0, le=2)
+    """vLLM's sleep level while the trainer has the GPU (deployment.sleep_level, which `slipstream rl` copies here)."""
+
+
 class OrchestratorConfig(BaseConfig):
     """Drives rollouts against inference and writes training batches."""
 
@@ -353,6 +361,13 @@ class OrchestratorConfig(BaseConfig):
 
     recovery: RecoveryConfig = RecoveryConfig()
     """Waiting for inference and re-establishing its weights when it is lost mid-run."""
+
+    colocate: ColocateConfig | None = None
+    """Set (by `slipstream rl`, from deployment.colocate): inference and the trainer share the GPU and take turns;
+    after each batch the orchestrator waits for the requests in flight, puts vLLM to sleep and writes the batch, and
+    wakes vLLM to load the trainer's next version. Batch n then always waits for policy n - 1: max_async_level only
+    lets groups of later batches start in the same turn (data up to that many steps old), and spare_batches is
+    ignored (a turn waits for every group in flight anyway). None: they run side by side."""
 
     @property
     def weight_check_tolerance(self) -> float:

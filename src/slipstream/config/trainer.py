@@ -236,6 +236,11 @@ class TrainerConfig(BaseConfig):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Training device; auto picks CUDA when available."""
 
+    colocated: bool = False
+    """The trainer shares its GPU with vLLM (deployment.colocate; `slipstream rl` sets it): after each step and after
+    each publish it returns the memory its allocator caches to the GPU, so that vLLM can wake into it, and it logs
+    its peak memory (`memory/peak_allocated_gib`, `memory/peak_reserved_gib`)."""
+
     compile: bool = False
     """torch.compile each transformer block (after activation checkpointing, before FSDP): Inductor fuses the
     elementwise work around the matmuls (RMSNorm, RoPE, SwiGLU, residual adds, casts). Costs a compilation at the

@@ -81,6 +81,12 @@ def cluster_config(config: RLConfig) -> tuple[RLConfig, Placement]:
     }
     config = config.rebuilt(changes)
     placement = place_config(config, list(range(k8s.gpus)))
+    if placement.colocated:
+        raise ConfigError(
+            "deployment.colocate: vLLM and the trainer share GPUs inside one process tree, but the manifests run each "
+            "process in its own pod (with its own GPUs); set deployment.colocate = false and kubernetes.gpus to at "
+            "least 2, or run colocated with `slipstream rl` on the machine itself"
+        )
     return config.rebuilt(placement_changes(config, placement)), placement
 
 

@@ -21,6 +21,10 @@ WEIGHT_TRANSFER_CONFIG = json.dumps({"backend": ENGINE_BACKEND})
 """vLLM's weight-transfer engine: Slipstream's, registered by our vLLM plugin (inference/vllm_plugin.py)."""
 
 
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+"""vLLM's share of GPU memory when inference.gpu_memory_utilization is unset (and the run is not colocated)."""
+
+
 def build_vllm_argv(config: InferenceConfig, model_path: Path) -> list[str]:
     """Command line of the vLLM server (python -m vllm.entrypoints.openai.api_server ...). GPU-only flags and
     eager mode (unless enforce_eager is set) follow config.device, which `slipstream rl` sets from the GPU placement."""
@@ -55,7 +59,18 @@ def build_vllm_argv(config: InferenceConfig, model_path: Path) -> list[str]:
     if config.tool_call_parser is not None:
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
     if on_gpu:
-        argv += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+        utilization = config.gpu_memory_utilization
+        argv += [
+            "--gpu-memory-utilization",
+            str(DEFAULT_GPU_MEMORY_UTILIZATION if utilization is None else utilization),
+        ]
+    if config.enable_sleep_mode:
+        if not on_gpu:
+            raise ValueError(
+                "inference.enable_sleep_mode: vLLM's CPU build has no sleep mode (it refuses --enable-sleep-mode); "
+                "drop it where vLLM runs on CPU (a colocated CPU run alternates without it)"
+            )
+        argv.append("--enable-sleep-mode")
     return argv + lora_args(config.model.lora) + option_args(config) + list(config.extra_args)
 
 

@@ -14,9 +14,17 @@ from slipstream.config.base import ConfigError
 from slipstream.config.rl import RLConfig
 from slipstream.inference.admin_token import ensure_admin_token
 from slipstream.inference.vllm_support import check_vllm
+from slipstream.launch.colocate_memory import oom_hint
 from slipstream.launch.models import resolve_run_model
 from slipstream.launch.placement import detect_visible_gpus
-from slipstream.launch.plan import ProcessSpec, build_plan, resolve_config, write_configs
+from slipstream.launch.plan import (
+    ProcessSpec,
+    build_plan,
+    colocated_memory,
+    place_config,
+    resolve_config,
+    write_configs,
+)
 from slipstream.launch.restarts import InferenceRestarts
 from slipstream.launch.supervisor import ChildFailed, StopRequested, Supervisor, supervising
 from slipstream.launch.trainer_nodes import launch_id, publish_launch, run_secondary_trainer
@@ -81,6 +89,10 @@ def _run_locked(config: RLConfig, run: RunDir) -> int:
     with supervising(Supervisor(grace_s=config.launch.shutdown_grace_s, env=launcher_env(run))) as sup:
         try:
             _say(f"run directory {run.root} (logs in {run.logs_dir}); starting {', '.join(specs)} on this node")
+            if config.trainer.colocated:
+                _say(_colocated_line(config))
+                if (memory := colocated_memory(config, place_config(config, gpus))) is not None:
+                    _say(memory.summary())
             start_processes(sup, specs, config, start)
             watch_until_done(sup, config, set(specs))
             _say(f"done: {config.max_steps} steps in {time.monotonic() - start:.0f}s; metrics in {config.output_dir}")
@@ -91,6 +103,8 @@ def _run_locked(config: RLConfig, run: RunDir) -> int:
         except ChildFailed as e:
             for line in e.report():
                 _say(line, err=True)
+            if e.name in ("trainer", "inference") and _out_of_memory(e):
+                _say(f"hint: {oom_hint(config, e.name)}", err=True)
             return 1
         except TimeoutError as e:
             _say(f"error: {e}", err=True)
@@ -133,16 +147,52 @@ def choose_store_port(config: RLConfig) -> RLConfig:
 
 def start_processes(sup: Supervisor, specs: dict[str, ProcessSpec], config: RLConfig, start: float) -> None:
     """Start this node's processes: inference and the trainer at once (the trainer loads its model while vLLM
-    starts), the orchestrator once inference (here or on another node) answers /health."""
+    starts), the orchestrator once inference (here or on another node) answers /health. Colocated on a GPU, the
+    trainer starts only then too: vLLM sizes its share from the memory free when it starts."""
+    after_vllm = config.trainer.colocated and _on_gpu(config)
     for name in ("inference", "trainer"):
-        if name in specs:
+        if name in specs and not (name == "trainer" and after_vllm):
             sup.start(specs[name])
-    if "orchestrator" not in specs:
+    if "orchestrator" not in specs and not after_vllm:
         return
     url = config.orchestrator.inference_url
     wait_healthy(sup, url, config.launch.health_timeout_s)
     _say(f"inference healthy after {time.monotonic() - start:.0f}s at {url}")
-    sup.start(specs["orchestrator"])
+    if after_vllm and "trainer" in specs:
+        sup.start(specs["trainer"])
+    if "orchestrator" in specs:
+        sup.start(specs["orchestrator"])
+
+
+OOM_MARKERS = (
+    "OutOfMemoryError",
+    "CUDA out of memory",
+    "less than desired GPU memory utilization",
+    "No available memory",
+)
+"""Lines of a child's log that say it ran out of GPU memory (torch, vLLM at start-up, vLLM's KV-cache sizing)."""
+
+
+def _out_of_memory(failure: ChildFailed) -> bool:
+    try:
+        with open(failure.log_path, "rb") as f:
+            f.seek(failure.log_offset)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    return any(marker in text for marker in OOM_MARKERS)
+
+
+def _colocated_line(config: RLConfig) -> str:
+    where = "on the GPU" if _on_gpu(config) else "on CPU"
+    level = config.deployment.sleep_level
+    share = config.inference.gpu_memory_utilization
+    memory = f", vLLM's share of GPU memory {share}" if share is not None and _on_gpu(config) else ""
+    return f"colocated {where}: vLLM and the trainer take turns (vLLM sleeps at level {level} during each step){memory}"
+
+
+def _on_gpu(config: RLConfig) -> bool:
+    return config.trainer.device == "cuda" and config.inference.device == "cuda"
 
 
 def prepare_resume_run(config: RLConfig) -> RLConfig:

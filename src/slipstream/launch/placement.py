@@ -41,6 +41,9 @@ class Placement:
     num_trainer_procs: int
     weights_transport: str
     """weights.transport with "auto" resolved."""
+    colocated: bool = False
+    """deployment.colocate resolved: vLLM and the trainer share every GPU of this node's share (or, on CPU, take
+    turns all the same)."""
 
     def env(self, role: str) -> dict[str, str]:
         """Variables that pin `role` to its GPUs ({} where the node has none: the environment stays as it was)."""
@@ -90,7 +93,8 @@ def place(config: RLConfig, visible: Sequence[int], num_attention_heads: int | N
     `num_attention_heads` (from the model's config.json, when known) is checked against tensor parallelism."""
     deployment = config.deployment
     gpus = usable_gpus(deployment, visible)
-    inference_gpus, trainer_gpus = split_gpus(deployment, gpus)
+    colocated = resolve_colocate(deployment, gpus)
+    inference_gpus, trainer_gpus = (list(gpus), list(gpus)) if colocated else split_gpus(deployment, gpus)
     here = set(deployment.run)
     tp, dp = inference_sizes(config.inference, inference_gpus, num_attention_heads if "inference" in here else None)
     procs = trainer_procs(config, trainer_gpus)
@@ -102,7 +106,21 @@ def place(config: RLConfig, visible: Sequence[int], num_attention_heads: int | N
         tensor_parallel_size=tp,
         data_parallel_size=dp,
         num_trainer_procs=procs,
-        weights_transport=resolve_transport(config, inference_gpus, trainer_gpus),
+        weights_transport=resolve_transport(config, inference_gpus, trainer_gpus, colocated),
+        colocated=colocated,
+    )
+
+
+def resolve_colocate(deployment: DeploymentConfig, gpus: list[int]) -> bool:
+    """deployment.colocate with None resolved: colocated when inference, trainer and orchestrator all run here on
+    exactly one usable GPU and no split was asked for (DeploymentConfig checks an explicit true)."""
+    if deployment.colocate is not None:
+        return deployment.colocate
+    return (
+        len(gpus) == 1
+        and all(role in deployment.run for role in ("inference", "trainer", "orchestrator"))
+        and deployment.inference_gpus is None
+        and deployment.trainer_gpus is None
     )
 
 
@@ -160,8 +178,9 @@ def _default_split(roles: list[str], chosen: dict[str, list[int]], free: list[in
     if len(missing) == 2:
         if len(free) < 2:
             raise PlacementError(
-                f"inference and the trainer each need their own GPU, but {len(free)} is usable ({free}); use more "
-                "GPUs, run one of them on another node (deployment.run), or run on CPU (deployment.gpus = [])"
+                f"inference and the trainer each need their own GPU, but {len(free)} is usable ({free}); share it "
+                "(deployment.colocate = true), use more GPUs, run one of them on another node (deployment.run), or "
+                "run on CPU (deployment.gpus = [])"
             )
         half = len(free) // 2
         chosen["inference"], chosen["trainer"] = free[:half], free[half:]
@@ -226,12 +245,22 @@ def trainer_procs(config: RLConfig, gpus: list[int]) -> int:
     return len(gpus)
 
 
-def resolve_transport(config: RLConfig, inference_gpus: list[int], trainer_gpus: list[int]) -> str:
-    """weights.transport with "auto" resolved: nccl when the trainer gets GPUs, else filesystem. nccl needs the
-    GPU processes of this node on GPUs."""
+def resolve_transport(
+    config: RLConfig, inference_gpus: list[int], trainer_gpus: list[int], colocated: bool = False
+) -> str:
+    """weights.transport with "auto" resolved: colocated on GPUs ipc (NCCL cannot join two processes of one GPU),
+    else nccl when the trainer gets GPUs, else filesystem. nccl needs the GPU processes of this node on GPUs and
+    apart."""
     transport, run = config.weights.transport, config.deployment.run
     if transport == "auto":
+        if colocated and trainer_gpus:
+            return "ipc"
         return "nccl" if trainer_gpus else "filesystem"
+    if transport == "nccl" and colocated and trainer_gpus:
+        raise PlacementError(
+            "weights.transport = 'nccl' cannot join vLLM and the trainer on the same GPU (deployment.colocate): "
+            "use 'ipc' (or 'auto'), or give them separate GPUs (deployment.colocate = false)"
+        )
     if transport == "nccl":
         for role, ids in (("trainer", trainer_gpus), ("inference", inference_gpus)):
             if role in run and not ids:

@@ -10,6 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.config.rl import RLConfig
+from slipstream.launch.colocate_memory import (
+    ColocatePlan,
+    ModelShape,
+    gpu_memory_bytes,
+    model_parameters,
+    plan_colocated,
+)
 from slipstream.launch.placement import Placement, PlacementError, detect_visible_gpus, place
 from slipstream.rundir import RunDir
 from slipstream.utils.fs import commit_dir
@@ -120,7 +127,30 @@ def resolve_config(config: RLConfig, gpus: Sequence[int] | None = None) -> RLCon
     inference.device / trainer.device, weights.transport ("auto"), model.dtype (bfloat16 on GPUs when unset),
     inference.enforce_eager (false on GPUs, true on CPU, when unset). Raises ConfigError (PlacementError) naming
     what to change."""
-    return config.rebuilt(placement_changes(config, place_config(config, gpus)))
+    placement = place_config(config, gpus)
+    changes = placement_changes(config, placement)
+    memory = colocated_memory(config, placement)
+    if memory is not None:
+        changes["inference"]["gpu_memory_utilization"] = memory.utilization
+    return config.rebuilt(changes)
+
+
+def colocated_memory(config: RLConfig, placement: Placement) -> ColocatePlan | None:
+    """The memory plan of a run colocated on GPUs (launch/colocate_memory.py); None otherwise. PlacementError when
+    the model cannot fit, or when the GPUs' memory cannot be read and inference.gpu_memory_utilization is unset."""
+    if not placement.colocated or not placement.inference_gpus:
+        return None
+    gpu_bytes = gpu_memory_bytes(placement.inference_gpus)
+    if gpu_bytes is None:
+        if config.inference.gpu_memory_utilization is None:
+            raise PlacementError(
+                f"a colocated run sizes vLLM's share of GPU(s) {list(placement.inference_gpus)} from their memory, "
+                "which nvidia-smi did not report; set inference.gpu_memory_utilization (vLLM's share, e.g. 0.5)"
+            )
+        return None
+    model = Path(str(config.model.path or config.model.name))
+    shape = ModelShape.read(model)
+    return plan_colocated(config, model_parameters(model), shape, gpu_bytes, len(placement.inference_gpus))
 
 
 def place_config(config: RLConfig, gpus: Sequence[int] | None = None) -> Placement:
@@ -142,6 +172,11 @@ def placement_changes(config: RLConfig, placement: Placement) -> dict[str, Any]:
             changes[role]["device"] = _device(role, getattr(config, role).device, bool(ids))
     if "inference" in placement.run:  # CUDA graphs on GPUs, eager on CPU, unless set
         changes["inference"]["enforce_eager"] = config.inference.eager_on(bool(placement.inference_gpus))
+    if placement.colocated:  # the orchestrator hands the GPU over; vLLM sleeps where it can
+        level = config.deployment.sleep_level
+        changes["orchestrator"] = {"colocate": {"sleep_level": level}}
+        changes["trainer"]["colocated"] = True
+        changes["inference"]["enable_sleep_mode"] = bool(placement.inference_gpus) and level >= 1
     if (placement.inference_gpus or placement.trainer_gpus) and "dtype" not in config.model.model_fields_set:
         changes["model"] = {"dtype": "bfloat16"}
     return changes

@@ -196,6 +196,17 @@ class InferenceClient(GenerationClient):
             raise InferenceError(f"{where}: reply has no integer world_size >= 1: {response.text[:300]}")
         return world_size
 
+    async def sleep(self, level: int) -> None:
+        """Put every engine to sleep (vLLM's sleep mode; level 0 only pauses scheduling); requests still in flight
+        finish first (mode `wait`)."""
+        params = {"level": str(level), "mode": "wait"}
+        await asyncio.gather(*(e.post("/sleep", params=params) for e in self.admin_clients))
+
+    async def wake_up(self, tags: Sequence[str]) -> None:
+        """Wake what `tags` names on every engine (`weights`, `kv_cache`; `scheduling` after level 0)."""
+        params = [("tags", tag) for tag in tags]
+        await asyncio.gather(*(e.post("/wake_up", params=params) for e in self.admin_clients))
+
     async def load_weights(
         self,
         version: int,

@@ -61,6 +61,7 @@ async def orchestrate(config: OrchestratorConfig) -> dict[str, float]:
                     rollouts, metrics = await pipeline.next_batch(step)
                     metrics.update(assign_advantages(step, rollouts, config))
                     metrics.update(lag.take_metrics("orchestrator"))
+                    metrics.update(await pipeline.hand_to_trainer(step))  # colocated: vLLM sleeps before the write
                     maybe_checkpoint(step, pipeline, config)
                     # packing and the fsynced writes off the event loop, where they held up streamed tokens and
                     # the admin calls of weight updates (utils/loop_lag.py measures it)

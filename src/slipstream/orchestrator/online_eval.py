@@ -95,9 +95,14 @@ class OnlineEvaluator:
     async def run(self, wait: Callable[[Callable[[], bool]], Awaitable[None]]) -> None:
         """Background loop: evaluate each due version once it is served (no update in progress), until stop()."""
         while not self._stopping:
-            await wait(lambda: self._stopping or (self.relay.accepting and self.due(self.relay.served_version)))
+            await wait(lambda: self._stopping or (self._may_start() and self.due(self.relay.served_version)))
             if not self._stopping:
                 await self.evaluate()
+
+    def _may_start(self) -> bool:
+        """No update in progress, inference available, and (colocated) not the trainer's turn on the GPU."""
+        turns = self.relay.turns
+        return self.relay.accepting and (turns is None or not turns.trainer_turn)
 
     def stop(self) -> None:
         """The last batch is written: finish the running evaluation, with the whole in-flight limit (no rollouts

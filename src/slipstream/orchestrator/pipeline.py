@@ -28,6 +28,7 @@ from typing import Any, Literal
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.envs.base import AnyEnvironment, SupervisedEnvironment
 from slipstream.orchestrator.client import InferenceClient
+from slipstream.orchestrator.colocate import GpuTurns
 from slipstream.orchestrator.concurrency import InFlightLimit, parse_server_load
 from slipstream.orchestrator.group_play import GroupPlayer
 from slipstream.orchestrator.ledger import Group, GroupLedger, Signal
@@ -55,7 +56,10 @@ class RolloutPipeline:
     ) -> None:
         self.client, self.env, self.sampler, self.relay, self.config = client, env, sampler, relay, config
         self.group_size = config.group_size
-        self.num_spare = config.spare_batches * config.batch_size // config.group_size if config.max_async_level else 0
+        # no spares when colocated: each turn ends only once every group in flight is done, so a spare cannot spare a
+        # batch its slow groups, it would only age
+        spares = config.max_async_level and config.colocate is None
+        self.num_spare = config.spare_batches * config.batch_size // config.group_size if spares else 0
         self.ledger = GroupLedger(config.batch_size // config.group_size, config.max_off_policy_steps)
         self.cursor = TaskCursor()
         self.limit = InFlightLimit(config.concurrency)
@@ -70,6 +74,9 @@ class RolloutPipeline:
         self._cancelled: list[asyncio.Task] = []
         self.num_regenerated = 0
         """Groups generated again because inference was lost while their requests were in flight."""
+        self.turns = GpuTurns(client, config.colocate, self.signal.notify) if config.colocate is not None else None
+        """Colocated: whose turn it is on the shared GPU (colocate.py); dispatch holds during the trainer's."""
+        relay.turns = self.turns
         self.player = GroupPlayer(client, env, relay, config, ready=self._turn_version)
         self.eval_limiter = SharedLimiter(config.eval.max_share, lambda: self.limit.limit, self.signal)
         self.evaluator = OnlineEvaluator(client, env, config, relay, self.eval_limiter) if config.eval.enabled else None
@@ -103,10 +110,11 @@ class RolloutPipeline:
         if step != self.ledger.num_batches + 1:
             raise ValueError(f"batch {step} asked after {self.ledger.num_batches} batches; batches go in order")
         start = time.perf_counter()
-        min_version = step - 1 - self.config.max_async_level
+        # colocated, a batch also waits for the trainer's turn before it to end (its version served and verified)
+        min_version = step - 1 - (0 if self.turns is not None else self.config.max_async_level)
         try:
             async with asyncio.timeout(self.config.weights_timeout_s):
-                await self._wait(lambda: self.relay.served_version >= min_version)
+                await self._wait(lambda: self.relay.served_version >= min_version and not self._trainer_turn())
         except TimeoutError as e:
             raise TimeoutError(
                 f"waited {self.config.weights_timeout_s:.0f}s for the trainer to publish "
@@ -130,6 +138,22 @@ class RolloutPipeline:
             **(self.evaluator.take_metrics() if self.evaluator is not None else {}),
         }
         return [r for g in groups for r in g.rollouts], metrics
+
+    async def hand_to_trainer(self, step: int) -> dict[str, float]:
+        """Colocated: give the GPU to the trainer for batch `step` (before it is written: colocate.py); returns the
+        turns' metrics. Side by side: nothing to do."""
+        if self.turns is None:
+            return {}
+        await self.turns.to_trainer(step, idle=lambda: self._wait(self._idle))
+        return self.turns.take_metrics()
+
+    def _idle(self) -> bool:
+        """Nothing in flight on inference: no group, no evaluation (a running one holds the policy), no weight load
+        or recovery (their probe checks are requests too)."""
+        return self._num_in_flight() == 0 and not self.relay.held and self.relay.accepting
+
+    def _trainer_turn(self) -> bool:
+        return self.turns is not None and self.turns.trainer_turn
 
     def counters(self) -> dict[str, float]:
         """Cumulative group counts and the current in-flight limit."""
@@ -170,6 +194,8 @@ class RolloutPipeline:
     def _dispatch_state(self) -> Literal["go", "limit", "hold"]:
         """go: a group may start; limit: only the in-flight limit holds it back; hold: anything else does."""
         if self.error is not None or not self.relay.accepting:
+            return "hold"
+        if self._trainer_turn():
             return "hold"
         last_allowed = min(self.config.max_steps, self.relay.served_version + 1 + self.config.max_async_level)
         num_spare = self.num_spare if self._trainer_waited else 0

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.orchestrator.client import InferenceClient, WeightUpdateIncomplete
+from slipstream.orchestrator.colocate import GpuTurns
 from slipstream.orchestrator.weight_check import WeightChecker, WeightSyncError, failure_message
 from slipstream.orchestrator.weight_loads import WeightLoader
 from slipstream.rollout.client import InferenceUnavailable
@@ -61,10 +62,18 @@ class WeightRelay:
         """Set by stop() and when inference is lost, so watch() reacts before its next poll."""
         self._lock = asyncio.Lock()
         """Serialises weight loads: updates and recoveries."""
+        self.turns: GpuTurns | None = None
+        """Colocated (set by the pipeline): vLLM may sleep; it is woken before a load, and a served version can end
+        the trainer's turn (colocate.py)."""
         self._num_holds = 0
         self._unheld = asyncio.Event()
         self._unheld.set()
         client.on_unavailable = self._lost
+
+    @property
+    def held(self) -> bool:
+        """Whether an evaluation holds the served policy (see hold())."""
+        return self._num_holds > 0
 
     @property
     def accepting(self) -> bool:
@@ -146,6 +155,8 @@ class WeightRelay:
                 raise TimeoutError(f"waited {cfg.timeout_s:g}s for the inference server at {url}: {hint}")
             instance = await self.client.wait_healthy(remaining, cfg.backoff_initial_s, cfg.backoff_max_s, hint)
             self.client.instance = instance
+            if self.turns is not None:
+                self.turns.woke_elsewhere()  # a restarted server starts awake
             try:
                 check = await self._reload_served()
                 break
@@ -192,6 +203,7 @@ class WeightRelay:
             self._num_holds -= 1
             if not self._num_holds:
                 self._unheld.set()
+                self.on_change()  # a colocated hand-over waits for no hold (pipeline._idle)
 
     async def _wait_unheld(self) -> None:
         """Wait until no hold is left; the time waited goes into `timing/weight_update_held_s`."""
@@ -212,6 +224,8 @@ class WeightRelay:
                 raise InferenceUnavailable(f"inference is unavailable ({self.client.unavailable_reason})")
             start = time.perf_counter()
             previous = self.served_version
+            if self.turns is not None:
+                await self.turns.wake()
             await self.checker.maybe_calibrate(version, previous)  # inference still serves `previous`
             self.updating = True
             self.on_change()
@@ -227,6 +241,8 @@ class WeightRelay:
             finally:
                 self.updating = False
                 self.on_change()
+        if self.turns is not None:
+            self.turns.to_inference(version)
         m = self.pending_metrics
         m["timing/weight_update_s"] = m.get("timing/weight_update_s", 0.0) + time.perf_counter() - start
         # what in-flight requests waited: the pause until the resume (new ones also wait for the check)

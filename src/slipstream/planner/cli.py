@@ -1,6 +1,7 @@
 """`slipstream plan -c rl.toml --nodes N --gpus-per-node 8 --gpu h200 [--workload FILE | --from-run DIR]`: rank
 the splits of a cluster between inference and trainer, print them, write the best as a config fragment and a plot
-of steps/hour against the split."""
+of steps/hour against the split. `slipstream plan --colocate -c rl.toml --gpu h200`: whether the model fits on GPUs
+shared by vLLM and the trainer (planner/colocate.py)."""
 
 import argparse
 import sys
@@ -111,6 +112,10 @@ def settings_from_config(argv: list[str], args: argparse.Namespace):
 
 
 def main(argv: list[str]) -> int:
+    if "--colocate" in argv:  # one machine's GPUs shared by vLLM and the trainer: a memory plan, no simulation
+        from slipstream.planner.colocate import main as colocate_main
+
+        return colocate_main(argv)
     args = parse_args(argv)
     from slipstream.planner.candidates import plan
     from slipstream.planner.report import fragment, lag_distribution, plot, table

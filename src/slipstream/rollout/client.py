@@ -14,7 +14,7 @@ import asyncio
 import json
 import math
 import re
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -154,7 +154,7 @@ class GenerationClient:
         self,
         path: str,
         json: Any = None,
-        params: Mapping[str, str] | None = None,
+        params: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
         headers: Mapping[str, str] | None = None,
         text_reply: bool = False,
     ) -> Any:
