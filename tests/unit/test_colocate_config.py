@@ -78,6 +78,7 @@ def test_explicit_colocate_shares_every_gpu_and_runs_on_cpu_too():
     [
         ({"deployment": {"colocate": True, "run": ["inference", "trainer"]}}, r"leaves out orchestrator"),
         ({"deployment": {"colocate": True, "trainer_gpus": 1}}, r"drop deployment.inference_gpus / deployment.trainer"),
+        ({"deployment": {"sleep_level": 2}, "model": {"lora": {"rank": 8}}}, r"only the adapter is sent back"),
     ],
 )
 def test_impossible_colocation_is_refused_when_parsing(sections, message):

@@ -328,6 +328,15 @@ class RLConfig(BaseConfig):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_sleep_level(self) -> "RLConfig":
+        if self.deployment.sleep_level == 2 and self.model.lora is not None and self.deployment.colocate is not False:
+            raise ValueError(
+                "deployment.sleep_level = 2 frees vLLM's weights while the trainer steps, but with model.lora only the "
+                "adapter is sent back, never the base weights: use deployment.sleep_level = 1 (or 0)"
+            )
+        return self
+
     def trainer_procs(self) -> int | None:
         """Trainer ranks on this node as far as the config fixes them (launch.num_trainer_procs, else the trainer's
         GPU count, 1 on CPU); None: decided at launch from the visible GPUs."""
