@@ -64,10 +64,11 @@ def test_one_gpu_with_every_process_here_is_colocated_with_ipc():
     assert not place(rl(), []).colocated
 
 
-def test_explicit_colocate_shares_every_gpu_and_runs_on_cpu_too():
-    two = place(rl(deployment={"colocate": True}), [0, 1])
-    assert two.colocated and two.inference_gpus == two.trainer_gpus == (0, 1)
-    assert (two.data_parallel_size, two.num_trainer_procs) == (2, 2)
+def test_explicit_colocate_shares_one_gpu_of_a_larger_node_and_runs_on_cpu_too():
+    one = place(rl(deployment={"colocate": True, "gpus": [1]}), [0, 1])
+    assert one.colocated and one.inference_gpus == one.trainer_gpus == (1,) and one.weights_transport == "ipc"
+    with pytest.raises(PlacementError, match=r"2 are usable .* choose one with deployment.gpus = \[i\]"):
+        place(rl(deployment={"colocate": True}), [0, 1])
     cpu = place(rl(deployment={"colocate": True}), [])
     assert cpu.colocated and cpu.weights_transport == "filesystem"
     assert place(rl(deployment={"colocate": True}, weights={"transport": "ipc"}), []).weights_transport == "ipc"

@@ -45,10 +45,10 @@ class DeploymentConfig(BaseConfig):
     colocate: bool | None = None
     """vLLM and the trainer on the same GPU(s), taking turns: the orchestrator generates a batch, puts vLLM to sleep
     (`sleep_level`), the trainer trains on it and publishes the new weights (weights.transport `ipc`: CUDA IPC, no
-    files), vLLM wakes, loads them and generates the next batch. Every GPU of `gpus` serves both (vLLM's tensor x
-    data parallel and the trainer's ranks each cover them all). None: colocated when inference and the trainer both
-    run here, on exactly one GPU, with neither inference_gpus nor trainer_gpus set (one GPU could not be split);
-    false otherwise. true on CPU runs the same alternating schedule (vLLM's CPU build frees no memory when asleep).
+    files), vLLM wakes, loads them and generates the next batch. One GPU (`gpus = [i]` on a larger node): the trainer's
+    first rank lays out each version for vLLM's workers to map, which a second GPU could not. None: colocated when
+    inference, the trainer and the orchestrator run here on exactly one GPU, with neither inference_gpus nor
+    trainer_gpus set (one GPU could not be split); false otherwise. true on CPU runs the same alternating schedule (vLLM's CPU build frees no memory when asleep).
     Needs the orchestrator here too (it drives the turns). See docs/colocate.md."""
 
     sleep_level: Literal[0, 1, 2] = 1
@@ -79,7 +79,7 @@ class DeploymentConfig(BaseConfig):
             )
         if self.inference_gpus is not None or self.trainer_gpus is not None:
             raise ValueError(
-                "deployment.colocate = true gives every GPU of deployment.gpus to both vLLM and the trainer; drop "
+                "deployment.colocate = true gives the GPU of deployment.gpus to both vLLM and the trainer; drop "
                 "deployment.inference_gpus / deployment.trainer_gpus (choose the GPUs with deployment.gpus)"
             )
         return self

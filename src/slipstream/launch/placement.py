@@ -42,7 +42,7 @@ class Placement:
     weights_transport: str
     """weights.transport with "auto" resolved."""
     colocated: bool = False
-    """deployment.colocate resolved: vLLM and the trainer share every GPU of this node's share (or, on CPU, take
+    """deployment.colocate resolved: vLLM and the trainer share this node's one usable GPU (or, on CPU, take
     turns all the same)."""
 
     def env(self, role: str) -> dict[str, str]:
@@ -94,6 +94,12 @@ def place(config: RLConfig, visible: Sequence[int], num_attention_heads: int | N
     deployment = config.deployment
     gpus = usable_gpus(deployment, visible)
     colocated = resolve_colocate(deployment, gpus)
+    if colocated and len(gpus) > 1:
+        raise PlacementError(
+            f"deployment.colocate shares one GPU between vLLM and the trainer, but {len(gpus)} are usable ({gpus}): "
+            "weights reach vLLM through CUDA IPC from the trainer's first rank, which a second GPU's workers cannot "
+            "map; choose one with deployment.gpus = [i], or run them side by side (deployment.colocate = false)"
+        )
     inference_gpus, trainer_gpus = (list(gpus), list(gpus)) if colocated else split_gpus(deployment, gpus)
     here = set(deployment.run)
     tp, dp = inference_sizes(config.inference, inference_gpus, num_attention_heads if "inference" in here else None)
