@@ -256,6 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.runs < 1 or args.hogs < 0 or args.run_timeout <= 0:
         parser.error("--runs must be at least 1, --hogs at least 0 and --run-timeout positive")
     signal.signal(signal.SIGTERM, _interrupt)
+    # Ctrl-C stops a hunt even when it was started with SIGINT ignored, as a shell's background job (`... &` in a
+    # script, `nohup`) is: Python then leaves SIGINT ignored, and so would the pytest runs it starts
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     result = hunt(args.tests, args.runs, argv[split + 1 :], args.hogs, args.run_timeout, args.out)
     print(format_report(result))
     return 130 if result.interrupted else int(result.failed)
