@@ -59,6 +59,19 @@ def _describe(pids) -> str:
     return "\n".join(lines)
 
 
+def _trainer_ranks(run_dir: Path) -> list[int]:
+    """The run's trainer rank processes (`slipstream trainer` under torchrun, not torchrun itself)."""
+    ranks = []
+    for pid in _marked_by_run_dir(run_dir):
+        try:
+            cmd = psutil.Process(pid).cmdline()
+        except psutil.Error:
+            continue
+        if "trainer" in cmd and "slipstream" in cmd and "torch.distributed.run" not in cmd:
+            ranks.append(pid)
+    return ranks
+
+
 def _metrics(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     if not path.exists():
@@ -81,14 +94,24 @@ def test_launcher_kill_leaves_no_orphans_and_resume_matches(resume_reference, ti
     launcher = _rl(cfg, env, tmp_path, "first")
     try:
         _wait_for_step(launcher, out, 1, tmp_path)
-        assert launcher.poll() is None and not any(m["step"] == RESUME_MAX_STEPS for m in _metrics(out)), "not mid-run"
+        # the run is held mid-way while a second launcher starts (it needs seconds, under load more than the run's
+        # remaining steps): its trainer is stopped, so the run cannot end before the refusal is checked
+        trainers = _trainer_ranks(out)
+        assert trainers, _describe(_marked_by_run_dir(out))
+        for pid in trainers:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            assert launcher.poll() is None and not any(m["step"] == RESUME_MAX_STEPS for m in _metrics(out)), "ended"
 
-        # a second launcher on the live run's directory is refused, naming the holder, and touches nothing
-        second = _rl(cfg, env, tmp_path, "second", "--resume")
-        assert second.wait(timeout=120) == 2, (tmp_path / "second.err").read_text()
-        refusal = (tmp_path / "second.err").read_text()
-        assert f"pid {launcher.pid}" in refusal and f"kill {launcher.pid}" in refusal, refusal
-        assert launcher.poll() is None
+            # a second launcher on the live run's directory is refused, naming the holder, and touches nothing
+            second = _rl(cfg, env, tmp_path, "second", "--resume")
+            assert second.wait(timeout=120) == 2, (tmp_path / "second.err").read_text()
+            refusal = (tmp_path / "second.err").read_text()
+            assert f"pid {launcher.pid}" in refusal and f"kill {launcher.pid}" in refusal, refusal
+            assert launcher.poll() is None
+        finally:
+            for pid in trainers:  # a stopped process cannot run its watchdog: let it go on before the kill below
+                os.kill(pid, signal.SIGCONT)
 
         run_pids = _marked_by_run_dir(out)
         assert len(run_pids) >= 3, _describe(run_pids)  # inference (+ vLLM engine), trainer (+ worker), orchestrator

@@ -44,6 +44,9 @@ def test_wandb_offline_run_logs_steps_and_a_resume_continues_it(tmp_path):
     first.log(1, {"step": 1, "reward/mean": 0.5})
     first.finish()
     run_id = (tmp_path / "wandb" / "run_id").read_text().strip()
+    # wandb names an offline run's folder by its start time in seconds: a resume within the same second would write
+    # into the first run's folder (this test failed once so, under pytest-xdist), which a restart never does
+    time.sleep(1.1)
     second = WandbRun(config, tmp_path, {"lr": 1e-5})
     assert second.run.id == run_id  # the resumed run continues the same wandb run
     second.log(2, {"step": 2, "reward/mean": 0.625})
