@@ -14,17 +14,10 @@ from slipstream.config.base import ConfigError
 from slipstream.config.rl import RLConfig
 from slipstream.inference.admin_token import ensure_admin_token
 from slipstream.inference.vllm_support import check_vllm
-from slipstream.launch.colocate_memory import oom_hint
+from slipstream.launch.colocate_memory import ColocatePlan, oom_hint
 from slipstream.launch.models import resolve_run_model
 from slipstream.launch.placement import detect_visible_gpus
-from slipstream.launch.plan import (
-    ProcessSpec,
-    build_plan,
-    colocated_memory,
-    place_config,
-    resolve_config,
-    write_configs,
-)
+from slipstream.launch.plan import ProcessSpec, build_plan, resolve_with_memory, write_configs
 from slipstream.launch.restarts import InferenceRestarts
 from slipstream.launch.supervisor import ChildFailed, StopRequested, Supervisor, supervising
 from slipstream.launch.trainer_nodes import launch_id, publish_launch, run_secondary_trainer
@@ -74,7 +67,7 @@ def claim_run_dir(run: RunDir) -> RunLock:
 
 def _run_locked(config: RLConfig, run: RunDir) -> int:
     try:
-        config, gpus = resolve_node_config(config)
+        config, gpus, memory = resolve_node_config(config)
         if config.launch.trainer_nodes > 1:
             launch_id(config)  # checked before anything starts
     except (FileNotFoundError, ValueError) as e:  # ConfigError is a ValueError
@@ -91,7 +84,7 @@ def _run_locked(config: RLConfig, run: RunDir) -> int:
             _say(f"run directory {run.root} (logs in {run.logs_dir}); starting {', '.join(specs)} on this node")
             if config.trainer.colocated:
                 _say(_colocated_line(config))
-                if (memory := colocated_memory(config, place_config(config, gpus))) is not None:
+                if memory is not None:
                     _say(memory.summary())
             start_processes(sup, specs, config, start)
             watch_until_done(sup, config, set(specs))
@@ -114,17 +107,19 @@ def _run_locked(config: RLConfig, run: RunDir) -> int:
             return 130
 
 
-def resolve_node_config(config: RLConfig) -> tuple[RLConfig, list[int]]:
+def resolve_node_config(config: RLConfig) -> tuple[RLConfig, list[int], ColocatePlan | None]:
     """What this node runs: resume prepared (where the trainer runs), the model resolved once for every process
-    (a Hub id is downloaded here, before any child starts), and the deployment placed on the visible GPUs. Where this
-    node starts vLLM, its release is checked first (inference/vllm_support.py)."""
+    (a Hub id is downloaded here, before any child starts), and the deployment placed on the visible GPUs (with the
+    memory plan of a run colocated on a GPU). Where this node starts vLLM, its release is checked first
+    (inference/vllm_support.py)."""
     if "inference" in config.deployment.run:
         check_vllm()
     if "trainer" in config.deployment.run:
         config = prepare_resume_run(config)
     config = resolve_run_model(config)
     gpus = detect_visible_gpus()
-    return choose_store_port(resolve_config(config, gpus)), gpus
+    config, memory = resolve_with_memory(config, gpus)
+    return choose_store_port(config), gpus, memory
 
 
 def choose_store_port(config: RLConfig) -> RLConfig:

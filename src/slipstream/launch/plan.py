@@ -127,12 +127,17 @@ def resolve_config(config: RLConfig, gpus: Sequence[int] | None = None) -> RLCon
     inference.device / trainer.device, weights.transport ("auto"), model.dtype (bfloat16 on GPUs when unset),
     inference.enforce_eager (false on GPUs, true on CPU, when unset). Raises ConfigError (PlacementError) naming
     what to change."""
+    return resolve_with_memory(config, gpus)[0]
+
+
+def resolve_with_memory(config: RLConfig, gpus: Sequence[int] | None = None) -> tuple[RLConfig, ColocatePlan | None]:
+    """resolve_config, and the memory plan it applied when the run is colocated on GPUs (None otherwise)."""
     placement = place_config(config, gpus)
     changes = placement_changes(config, placement)
     memory = colocated_memory(config, placement)
     if memory is not None:
         changes["inference"]["gpu_memory_utilization"] = memory.utilization
-    return config.rebuilt(changes)
+    return config.rebuilt(changes), memory
 
 
 def colocated_memory(config: RLConfig, placement: Placement) -> ColocatePlan | None:
