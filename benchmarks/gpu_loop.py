@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 
 def rl_config(model: str, out: Path, steps: int, async_level: int, args: argparse.Namespace) -> dict:
-    inference = {"max_model_len": 1024, "max_num_seqs": 256, "enforce_eager": False}
+    inference = {"max_model_len": 1024, "max_num_seqs": 256, "enforce_eager": args.eager}
     if args.router_replay:  # MoE: the trainer takes the experts vLLM routed each token to (returned with completions)
         inference["enable_return_routed_experts"] = True
     if args.gpu_memory_utilization is not None:
@@ -69,6 +69,7 @@ def rl_config(model: str, out: Path, steps: int, async_level: int, args: argpars
             "sampling": {"temperature": 1.0, "max_tokens": args.max_tokens},
             "env": {"name": "reverse_text", "args": {"num_tasks": 4000, "min_words": 2, "max_words": 20}},
             "router_replay": args.router_replay,
+            "weight_check": {"max_floor": args.max_floor},
         },
         "trainer": {"optim": {"lr": args.lr, "max_grad_norm": 1.0}},
         "launch": {"health_timeout_s": 900},
@@ -284,6 +285,8 @@ def main() -> None:
     p.add_argument("--stream-interval", type=int, default=1, help="inference.stream_interval (tokens per chunk)")
     p.add_argument("--colocate", action="store_true", help="vLLM and the trainer share GPU 0, taking turns")
     p.add_argument("--sleep-level", type=int, default=1, choices=(0, 1, 2), help="deployment.sleep_level")
+    p.add_argument("--max-floor", type=float, default=1.0, help="orchestrator.weight_check.max_floor")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (vLLM starts sooner; for correctness runs)")
     p.add_argument("--out", type=Path, default=Path("outputs/gpu_loop"))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -241,7 +241,7 @@ class MoEFamilyChecks:
         assert model.num_moe_blocks == len(moes) == self.num_moe_blocks
         if replay_own:
             assert torch.equal(h_replay, h_plain)
-            assert all(m.router.replay_counts.tolist() == [12, 12] for m in moes)
+            assert all(m.router.replay_counts.tolist() == [12, 12, 12] for m in moes)
         else:
             assert not torch.allclose(h_replay, h_plain, atol=1e-3)
 

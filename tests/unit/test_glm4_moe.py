@@ -117,7 +117,7 @@ def test_router_replay_replaces_the_selection_and_takes_gate_weights_from_the_sc
     scores_NE = F.linear(x_ND, ours.weight).sigmoid()  # without the selection bias
     picked = scores_NE[routed].gather(-1, replay_NA[routed])
     assert torch.allclose(w_NA[routed], 2.5 * picked / picked.sum(-1, keepdim=True), atol=1e-6)
-    assert ours.replay_counts.tolist()[0] == 3
+    assert ours.replay_counts.tolist()[:2] == [5, 3]
     # gradients reach the router through the replayed experts' scores
     ours.weight.grad = None
     ours(x_ND, replay_NA)[2][:, 0].sum().backward()

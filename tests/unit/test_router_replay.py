@@ -32,7 +32,7 @@ def test_replayed_experts_take_the_trainers_gate_weights_and_unrouted_tokens_fal
     replay_NA[1] = own_NA[1].flip(0)  # the same set in another order agrees
     router(x_ND, replay_NA)
     agreeing = sum(set(own_NA[i].tolist()) == set(replay_NA[i].tolist()) for i in (0, 1, 3))
-    assert router.replay_counts.tolist() == [3, agreeing] and agreeing >= 1
+    assert router.replay_counts.tolist() == [5, 3, agreeing] and agreeing >= 1
 
 
 def test_replay_gradient_reaches_the_router():
@@ -54,9 +54,9 @@ def test_model_replays_per_moe_block(tiny_model_factory, replay_own):
     assert model.num_moe_blocks == len(moes) == 2
     if replay_own:
         assert torch.equal(h_replay, h_plain)
-        assert all(m.router.replay_counts.tolist() == [12, 12] for m in moes)
+        assert all(m.router.replay_counts.tolist() == [12, 12, 12] for m in moes)
     else:
         assert not torch.allclose(h_replay, h_plain, atol=1e-3)
-        assert all(m.router.replay_counts[0] == 12 for m in moes)
+        assert all(m.router.replay_counts[:2].tolist() == [12, 12] for m in moes)
     with pytest.raises(ValueError, match="MoE blocks"):
         model.forward_hidden(input_ids_BT, position_ids_BT, replay_BTRA=torch.zeros(1, 12, 1, 2, dtype=torch.long))

@@ -171,6 +171,8 @@ def test_tree_equals_one_by_one_moe(tiny_model_factory, loss_kind, replay):
     model = load_pretrained(tiny_model_factory("qwen3_moe"), impl="custom")
     got, want = _tree_vs_one_by_one(model, LOSSES[loss_kind], replay=replay)
     _assert_same_training(got, want, loss_kind)
+    if replay:
+        assert all(0 < m["router/replayed_fraction"] <= 1 for m in (got[0], want[0]))
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
@@ -184,6 +186,10 @@ def test_trees_written_out_as_samples_train_the_same(tiny_model_factory, monkeyp
     got, want = _tree_vs_one_by_one(model, LOSSES["geo_mask"], replay=family == "qwen3_moe")
     _assert_same_training(got, want, "geo_mask")
     assert calls  # the trees were written out
+    if family == "qwen3_moe":  # the replay counters are over the tokens run: a prefix written out counts per sample
+        for key in ("router/replayed_fraction", "router/agreement"):
+            assert got[0][key] == pytest.approx(want[0][key], rel=1e-9), key
+        assert 0 < got[0]["router/replayed_fraction"] <= 1
 
 
 def test_tree_equals_one_by_one_transformers_model(tiny_model_factory):

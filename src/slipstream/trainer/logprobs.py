@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from slipstream.models.common.attention import ContextShard
+from slipstream.models.common.moe import REPLAY_PAD
 from slipstream.models.common.prefix_tree import parent_index
 from slipstream.models.common.transformer import DecoderLM
 from slipstream.parallel.cp import ContextParallel
@@ -169,7 +170,7 @@ def _context_parallel_logprobs(
         raise ValueError("context parallelism runs our models only (trainer.model_impl = 'custom')")
     shard = cp.shard_row(input_ids_T, position_ids_T)
     context = ContextShard(shard.row_position_ids_T[None], shard.offset, cp.gather_tokens)
-    replay_tRA = None if replay_TRA is None else cp.shard_tokens(replay_TRA, pad_value=-1)
+    replay_tRA = None if replay_TRA is None else cp.shard_tokens(replay_TRA, pad_value=REPLAY_PAD)
     hidden_tD = model.forward_hidden(
         shard.input_ids_t[None], shard.position_ids_t[None], context, None if replay_tRA is None else replay_tRA[None]
     )[0]
@@ -235,7 +236,7 @@ def custom_hidden(
         replay = None if replay_TRA is None else replay_TRA[None]
         return model.forward_hidden(input_ids_T[None], position_ids_T[None], None, replay)[0]
     input_ids_BL = unpack(input_ids_T, layout, pad_value=0)
-    replay_BLRA = None if replay_TRA is None else unpack(replay_TRA, layout, pad_value=-1)
+    replay_BLRA = None if replay_TRA is None else unpack(replay_TRA, layout, pad_value=REPLAY_PAD)
     # Pads continue their row's positions: each row is then one causal sample (or tree), whatever its pads are.
     position_ids_BL = padded_position_ids(position_ids_T, layout)
     return pack(model.forward_hidden(input_ids_BL, position_ids_BL, None, replay_BLRA), layout)

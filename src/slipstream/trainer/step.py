@@ -86,11 +86,9 @@ def train_step(
             (loss * 0.0).backward()  # keeps this rank in step with the others' collectives; adds no gradient
             continue
         if packed.replay_TRA is not None:
-            counts = sum(r.replay_counts for r in routers if r.replay_counts is not None)
-            # The cp ranks of a group share the micro-batch and each counts its own shard's replays.
-            cp = getattr(policy, "context_parallel", None)
-            token_layers = packed.replay_TRA[:, :, 0].numel() / (cp.num_ranks if cp is not None else 1)
-            replay_sums += torch.cat([replay_sums.new_tensor([token_layers]), counts])
+            # Each router counts the tokens its forward ran (a cp rank its shard; a prefix written out per sample
+            # once per sample), so the fraction and the agreement are over the same token-layers.
+            replay_sums += sum(r.replay_counts for r in routers if r.replay_counts is not None)
             for router in routers:
                 router.replay_counts = None
         loss.backward()

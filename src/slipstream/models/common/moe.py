@@ -13,6 +13,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+REPLAY_PAD = -2
+"""A router-replay slot that holds no token (a padded row's or a context-parallel shard's padding); -1 marks a real
+token that inference did not route (a prompt token it never forwarded, tool output), which the router routes itself."""
+
+
+def replay_counts(own_NA: Tensor, replay_NA: Tensor) -> tuple[Tensor, Tensor]:
+    """(routed_N: the tokens inference routed, counts: (tokens, of those routed, of those the ones whose own top-A set
+    was inference's)): what `TopKRouter.replay_counts` records. Padding is no token: the counts are over the tokens
+    this forward ran, whichever layout ran them (a prefix computed once per sample counts once per sample)."""
+    routed_N = (replay_NA >= 0).all(dim=-1)
+    with torch.no_grad():
+        real_N = replay_NA[:, 0] != REPLAY_PAD
+        same_N = (own_NA.sort(dim=-1).values == replay_NA.sort(dim=-1).values).all(dim=-1)
+        counts = torch.stack([real_N.sum(), routed_N.sum(), (same_N & routed_N).sum()])
+    return routed_N, counts
+
 
 class TopKRouter(nn.Module):
     """Softmax over float32 logits, top-A experts per token; optionally renormalise the A weights to sum to 1.
@@ -24,7 +40,8 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
         self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
         self.replay_counts: Tensor | None = None
-        """(replayed tokens, of those the ones whose own top-A set was inference's) of the last replayed forward."""
+        """(tokens, of those replayed, of those the ones whose own top-A set was inference's) of the last replayed
+        forward (`replay_counts`)."""
 
     def forward(self, x_ND: Tensor, replay_NA: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """(probs_NE float32, expert_ids_NA, weights_NA float32).
@@ -43,10 +60,7 @@ class TopKRouter(nn.Module):
         weights_NA, expert_ids_NA = probs_NE.topk(self.top_k, dim=-1)
         if replay_NA is not None:
             replay_NA = replay_NA.to(expert_ids_NA.dtype)
-            routed_N = (replay_NA >= 0).all(dim=-1)
-            with torch.no_grad():  # routing agreement: the router's own top-A set is inference's
-                same_N = (expert_ids_NA.sort(dim=-1).values == replay_NA.sort(dim=-1).values).all(dim=-1)
-                self.replay_counts = torch.stack([routed_N.sum(), (same_N & routed_N).sum()])
+            routed_N, self.replay_counts = replay_counts(expert_ids_NA, replay_NA)
             expert_ids_NA = torch.where(routed_N[:, None], replay_NA, expert_ids_NA)
             weights_NA = probs_NE.gather(-1, expert_ids_NA)
         if self.norm_topk_prob:

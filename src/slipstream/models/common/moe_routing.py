@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from slipstream.models.common.mlp import SwiGLU
-from slipstream.models.common.moe import MoE, TopKRouter
+from slipstream.models.common.moe import MoE, TopKRouter, replay_counts
 
 
 class GroupLimitedSigmoidRouter(TopKRouter):
@@ -97,10 +97,7 @@ def replay_selection(router: TopKRouter, own_NA: Tensor, replay_NA: Tensor) -> T
     `own_NA` for the others; records (replayed tokens, of those the ones whose own set was inference's) on
     `router.replay_counts`, as TopKRouter does."""
     replay_NA = replay_NA.to(own_NA.dtype)
-    routed_N = (replay_NA >= 0).all(dim=-1)
-    with torch.no_grad():
-        same_N = (own_NA.sort(dim=-1).values == replay_NA.sort(dim=-1).values).all(dim=-1)
-        router.replay_counts = torch.stack([routed_N.sum(), (same_N & routed_N).sum()])
+    routed_N, router.replay_counts = replay_counts(own_NA, replay_NA)
     return torch.where(routed_N[:, None], replay_NA, own_NA)
 
 
