@@ -78,6 +78,8 @@ def test_the_floor_is_measured_before_the_first_load_and_loads_are_judged_agains
     assert check["margin"] == pytest.approx(check["allowed"] - check["max_abs_diff"]) and check["margin"] > 0
     calibration, update = _records(tmp_path)
     assert calibration["kind"] == "calibration" and calibration["max_abs_diff"] == floor.max_abs_diff
+    per_token = np.abs(np.subtract(calibration["inference_logprobs"], calibration["trainer_logprobs"]))
+    assert per_token.max() == pytest.approx(floor.max_abs_diff) and len(per_token) == len(v0)
     assert update["kind"] == "update" and update["floor_max"] == floor.max_abs_diff and update["step"] == 1
 
 

@@ -101,6 +101,8 @@ class WeightChecker:
             self.floor = floor
         record = {"kind": "calibration", **asdict(floor), "num_tokens": len(previous)}
         record |= {"allowed": self.allowed(), "worst_engine": scored.engine, "num_engines": scored.num_engines}
+        # per token, as update records have them: where a later load's difference sits against the floor's
+        record |= {"trainer_logprobs": previous.tolist(), "inference_logprobs": scored.logprobs.tolist()}
         append_line(RunDir(self.output_dir).weight_checks_path, json.dumps(record))
         log.info(
             f"weight check calibrated on policy v{served_version}: trainer vs inference on the same weights differ by "
