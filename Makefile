@@ -54,12 +54,15 @@ test-tools:
 # Everything: what the demo and the tests need
 setup: $(DEV_STAMP)
 
-# SFT warm-up on the environment's own solved examples, then RL from the fine-tuned model (rl.toml's model.name)
+# The base model's held-out score, SFT warm-up on the environment's own solved examples, RL from the fine-tuned model
+# (rl.toml's model.name), then the summary: held-out reward and exact reversals of base, SFT and RL, and phases.png
 demo: $(STAMP)
 	$(PY) -m slipstream model import smollm2-135m-instruct
 	$(PY) examples/reverse_text/make_sft_data.py
+	$(PY) -m slipstream eval -c examples/reverse_text/eval_base.toml
 	$(PY) -m slipstream sft -c $(DEMO_SFT_CONFIG)
 	$(PY) -m slipstream rl -c $(DEMO_CONFIG)
+	$(PY) examples/reverse_text/summary.py
 
 # pytest exit code 5 (no tests collected) must fail, not pass. TEST_JOBS pytest-xdist workers, each given whole files
 # (--dist loadfile: a file's module-scoped vLLM server or Slurm cluster starts once, on one worker); on the 2-core

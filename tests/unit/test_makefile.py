@@ -31,7 +31,13 @@ def test_make_demo_installs_only_what_the_demo_needs(tmp_path):
     assert f"python3 -m venv {tmp_path / 'venv'}" in out
     assert '-m pip install -q -e ".[cpu]"' in out
     assert [word for word in TEST_ONLY if word in out] == []
-    assert out.rstrip().endswith(f"{tmp_path / 'venv'}/bin/python -m slipstream rl -c examples/reverse_text/rl.toml")
+    py = f"{tmp_path / 'venv'}/bin/python"
+    assert out.rstrip().splitlines()[-4:] == [  # the base model's score, SFT, RL, then the summary of the three
+        f"{py} -m slipstream eval -c examples/reverse_text/eval_base.toml",
+        f"{py} -m slipstream sft -c examples/reverse_text/sft.toml",
+        f"{py} -m slipstream rl -c examples/reverse_text/rl.toml",
+        f"{py} examples/reverse_text/summary.py",
+    ]
 
 
 @pytest.mark.parametrize("target", ["test", "test-quick", "setup"])
