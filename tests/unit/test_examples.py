@@ -6,13 +6,18 @@ from pathlib import Path
 import pytest
 
 from slipstream.config import RLConfig
+from slipstream.config.eval import EvalConfig
 from slipstream.config.loader import load_config
 from slipstream.inference.server import build_vllm_argv
 from slipstream.launch.plan import build_plan, resolve_config
 from tests.unit.test_vllm_argv import parse_vllm_argv
 
-ALL_RL = sorted(p for p in (Path(__file__).parents[2] / "examples").glob("**/*.toml") if not p.name.startswith("sft"))
-"""RL configs; `sft*.toml` are `slipstream sft` configs (tests/unit/test_sft_loop.py parses them)."""
+ALL_RL = sorted(
+    p for p in (Path(__file__).parents[2] / "examples").glob("**/*.toml") if not p.name.startswith(("sft", "eval"))
+)
+"""RL configs; `sft*.toml` are `slipstream sft` configs (tests/unit/test_sft_loop.py parses them), `eval*.toml`
+`slipstream eval` configs (test_eval_examples_parse)."""
+EVAL_EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("**/eval*.toml"))
 SLURM_EXAMPLES = [p for p in ALL_RL if "[slurm]" in p.read_text()]
 """Multi-node jobs: each node's config is placed on its own 8 GPUs (test_slurm_examples_place_on_every_node)."""
 EXAMPLES = [p for p in ALL_RL if p not in SLURM_EXAMPLES]
@@ -22,6 +27,12 @@ EIGHT_GPUS = list(range(8))
 def nodes(path: Path) -> list[list[int]]:
     """Simulated GPU lists: GPU examples (with a [deployment] section) on 8 GPUs; CPU examples on CPU and 8 GPUs."""
     return [EIGHT_GPUS] if "[deployment]" in path.read_text() else [[], EIGHT_GPUS]
+
+
+@pytest.mark.parametrize("path", EVAL_EXAMPLES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_eval_examples_parse(path):
+    config = load_config(EvalConfig, ["-c", str(path)])
+    assert config.inference.model == config.model and config.num_samples >= 1
 
 
 def test_examples_are_found():
