@@ -115,6 +115,7 @@ class SimServer:
             Route("/update_weights", _guarded(self.update_weights), methods=["POST"]),
             Route("/finish_weight_update", _guarded(self.finish_weight_update), methods=["POST"]),
             Route("/get_world_size", self.get_world_size, methods=["GET"]),
+            Route("/weight_info", self.weight_info, methods=["GET"]),
         ]
         self.app = Starlette(routes=routes, middleware=[Middleware(InstanceIdMiddleware, instance=self.instance_id)])
 
@@ -212,6 +213,9 @@ class SimServer:
 
     async def get_world_size(self, request: Request) -> Response:
         return JSONResponse({"world_size": 1})
+
+    async def weight_info(self, request: Request) -> Response:
+        return JSONResponse({"weight_version": self.transfer.weight_version})
 
     async def metrics(self, request: Request) -> Response:
         e, labels = self.engine, f'{{model_name="{self.config.model_name or "sim"}"}}'

@@ -23,6 +23,8 @@ class SimWeightTransfer:
         self.received: list[dict] = []
         """Statistics of every version received (step, tensors, bytes, seconds, source)."""
         self.num_sessions = 0
+        self.weight_version = "default"
+        """vLLM's /weight_info: "default" until the first finished update, then that update's weight_version."""
 
     async def init(self, init_info: dict[str, Any]) -> None:
         from slipstream.transport.collective import GroupInit
@@ -64,6 +66,11 @@ class SimWeightTransfer:
                 raise SimRequestError(f"{folder} is not a complete published weights folder (no READY marker)")
             self.received.append({"step": int(update_info["step"]), "source": str(folder)})
             return
+        if "model" in update_info:  # the model's own checkpoint (version 0), as Slipstream's engine takes it
+            if step != 0 or not isinstance(update_info["model"], str) or not update_info["model"]:
+                raise SimRequestError(f"update_info 'model' needs step 0 and a folder path (got {update_info!r:.200})")
+            self.received.append({"step": 0, "source": update_info["model"]})
+            return
         if self.receiver is None or self.receiver.group is None:
             raise SimRequestError("weights arrive by broadcast but no group was joined: /init_weight_transfer_engine")
         try:
@@ -81,6 +88,7 @@ class SimWeightTransfer:
             raise SimRequestError(f"the simulator needs weight_version = the policy version (got {weight_version!r})")
         source = self.received[-1].get("source", "") if self.received else ""
         self.engine.serve_version(int(weight_version), str(source))
+        self.weight_version = str(weight_version)
 
     def shutdown(self) -> None:
         if self.receiver is not None:

@@ -4,8 +4,8 @@ vLLM's CPU build cannot serve Qwen3-VL here (it needs torchvision, which only ha
 
 It serves the surface the orchestrator uses, in vLLM's shapes: chat completions (whole or streamed) with
 `return_token_ids` and per-token `logprobs`, prompt scoring (`/v1/completions` with `prompt_logprobs`, the weight
-check), /pause, /resume, /reset_prefix_cache, /metrics and the filesystem weight update (/start_weight_update,
-/update_weights with a published folder, /finish_weight_update). Every token is sampled from the real model and every
+check), /pause, /resume, /reset_prefix_cache, /metrics, /weight_info and the filesystem weight update
+(/start_weight_update, /update_weights with a published folder, /finish_weight_update). Every token is sampled from the real model and every
 log-prob is the real model's, at the request's temperature (vLLM's `processed_logprobs`), in the served dtype
 (bfloat16 by default, like vLLM serving model.dtype). Prompts are rendered as vLLM renders them: each image's
 placeholder expanded to one `<|image_pad|>` per merged patch (models/vlm_inputs.py).
@@ -191,6 +191,8 @@ class VLMServer:
         self.idle = asyncio.Event()
         self.idle.set()
         self._ids = 0
+        self.weight_version = "default"
+        """vLLM's /weight_info: "default" until the first finished update, then that update's weight_version."""
         post = {
             "/v1/chat/completions": self.chat,
             "/v1/completions": self.completions,
@@ -207,6 +209,7 @@ class VLMServer:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/get_world_size", self.get_world_size, methods=["GET"]),
+            Route("/weight_info", self.weight_info, methods=["GET"]),
         ]
         instance = InstanceIdMiddleware  # a restart is a new instance, as with `slipstream inference`
         self.app = Starlette(routes=routes, middleware=[Middleware(instance, instance=new_instance_id())])
@@ -254,6 +257,9 @@ class VLMServer:
 
     async def get_world_size(self, request: Request) -> Response:
         return JSONResponse({"world_size": 1})
+
+    async def weight_info(self, request: Request) -> Response:
+        return JSONResponse({"weight_version": self.weight_version})
 
     async def chat(self, request: Request) -> Response:
         body = await self._body(request)
@@ -397,6 +403,7 @@ class VLMServer:
         self.active_update = False
         if version is not None and str(version).isdigit():
             self.engine.version = int(version)
+        self.weight_version = str(version)
         return JSONResponse({"message": "Weight update finished"})
 
 

@@ -37,7 +37,7 @@ def fake_logprob(version: int, token: int) -> float:
 
 class FakeVLLM:
     """Minimal vLLM stand-in: streamed chat with token ids/logprobs (vLLM 0.32's chunks), prompt scoring, /metrics
-    and the dev-mode weight endpoints. `token_delay_s` spaces the streamed tokens; pause(keep) freezes them."""
+    and the dev-mode weight endpoints (with /weight_info). `token_delay_s` spaces the streamed tokens; pause(keep) freezes them."""
 
     def __init__(self, ignore_loads: bool = False, token_delay_s: float = 0.0) -> None:
         self.version = 0
@@ -52,6 +52,7 @@ class FakeVLLM:
         """Request id -> the last user message (concurrent requests reach the server in any order)."""
         self.closed_streams: list[str] = []
         """Request ids whose stream ended before the last chunk (client disconnect)."""
+        self.weight_version = "default"
         routes = [
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
@@ -61,6 +62,7 @@ class FakeVLLM:
             Route("/start_weight_update", self.start_update, methods=["POST"]),
             Route("/update_weights", self.update_weights, methods=["POST"]),
             Route("/finish_weight_update", self.finish_update, methods=["POST"]),
+            Route("/weight_info", self.weight_info, methods=["GET"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
         ]
@@ -107,7 +109,11 @@ class FakeVLLM:
         assert self.paused and self.updating == version, "finish must follow the update of the same version"
         if not self.ignore_loads:
             self.version = version
+        self.weight_version = str(version)
         return JSONResponse({"message": "Weight update finished"})
+
+    async def weight_info(self, request: Request) -> JSONResponse:
+        return JSONResponse({"weight_version": self.weight_version})
 
     async def chat(self, request: Request) -> StreamingResponse | JSONResponse:
         body = await request.json()
@@ -280,10 +286,11 @@ def test_loop_versions_and_weight_loads(tmp_path, async_level, publish_after, ve
     assert all(m["batch/zero_adv_groups"] == 0 for m in metrics)
     assert all(m["pipeline/cancelled_groups"] == m["pipeline/dropped_groups"] == 0 for m in metrics)
 
-    # Chats of a version are sent only once its load is verified; the run ends serving the final policy. The
-    # trainer publishes its last two steps back to back, so the orchestrator may load step 2 before step 3.
+    # The prefix cache is freed before the first rollout (nothing of an earlier run is reused). Chats of a version
+    # are sent only once its load is verified; the run ends serving the final policy. The trainer publishes its last
+    # two steps back to back, so the orchestrator may load step 2 before step 3.
     loads = [int(c.removeprefix("load:step_")) for c in server.calls if c.startswith("load:")]
-    expected = ["chat:policy-0"] * 2 * (1 + async_level)
+    expected = ["reset_prefix_cache"] + ["chat:policy-0"] * 2 * (1 + async_level)
     for v in sorted(set(versions) - {0}):
         expected += load_calls(v) + [f"chat:policy-{v}"] * 2 * versions.count(v)
     expected += [call for v in loads[len(set(versions)) - 1 :] for call in load_calls(v)]

@@ -39,10 +39,12 @@ logger = logging.getLogger(__name__)
 @dataclass
 class SlipstreamUpdateInfo(WeightTransferUpdateInfo):
     """One version: from a folder (`path`), by broadcast (`manifest`, the bucket plan) or from the trainer's shared
-    memory (`manifest` and `shared`)."""
+    memory (`manifest` and `shared`); version 0 also from the model's own checkpoint folder (`model`)."""
 
     step: int
     path: str | None = None
+    model: str | None = None
+    """The model's checkpoint folder: its initial weights, loaded back on a server that served another run's."""
     manifest: dict[str, Any] | None = field(default=None)
     shared: dict[str, Any] | None = field(default=None)
     """The `ipc` transport: the handle of the trainer's buffer holding the manifest's buckets

@@ -180,21 +180,56 @@ class InferenceClient(GenerationClient):
         if self.engines:
             self._world_sizes = list(await asyncio.gather(*(e.get_world_size() for e in self.engines)))
             return sum(self._world_sizes)
-        where, expected = f"GET {self.base_url}/get_world_size", self.instance
+        reply = await self._get_json("/get_world_size", params={"include_dp": "true"})
+        where = f"GET {self.base_url}/get_world_size"
+        world_size = reply.get("world_size") if isinstance(reply, dict) else None
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise InferenceError(f"{where}: reply has no integer world_size >= 1: {str(reply)[:300]}")
+        return world_size
+
+    async def weight_versions(self) -> dict[str, str | None]:
+        """Engine URL -> the weight version it serves (vLLM's /weight_info): "default" while it serves the weights it
+        started with, else the `weight_version` of its last finished update; None where the server cannot tell (no
+        /weight_info: HTTP 404)."""
+        if self.engines:
+            found = await asyncio.gather(*(e.weight_versions() for e in self.engines))
+            return {url: version for versions in found for url, version in versions.items()}
+        reply = await self._get_json("/weight_info", missing_ok=True)
+        if reply is None:
+            return {self.base_url: None}
+        version = reply.get("weight_version") if isinstance(reply, dict) else None
+        if not isinstance(version, str):
+            raise InferenceError(f"GET {self.base_url}/weight_info: reply has no string weight_version: {reply!r:.300}")
+        return {self.base_url: version}
+
+    async def _get_json(self, path: str, params: dict[str, str] | None = None, missing_ok: bool = False) -> Any:
+        """GET an admin route's JSON reply (None for HTTP 404 when `missing_ok`); a lost server raises
+        InferenceUnavailable, another refusal InferenceError, both naming the call."""
+        where, expected = f"GET {self.base_url}{path}", self.instance
         try:
-            response = await self._http.get("/get_world_size", params={"include_dp": "true"})
+            response = await self._http.get(path, params=params)
         except UNREACHABLE as e:
             raise self._unavailable(f"{where} failed: {type(e).__name__}: {e}") from e
         self._check_instance(response, expected, where)
+        if response.status_code == 404 and missing_ok:
+            return None
         if response.status_code >= 500:
             raise self._unavailable(f"{where} returned HTTP {response.status_code}: {response.text[:500]}")
         if response.status_code != 200:
             raise InferenceError(f"{where} returned HTTP {response.status_code}: {response.text[:500]}")
-        reply = json_reply(response, where)
-        world_size = reply.get("world_size") if isinstance(reply, dict) else None
-        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-            raise InferenceError(f"{where}: reply has no integer world_size >= 1: {response.text[:300]}")
-        return world_size
+        return json_reply(response, where)
+
+    async def reset_prefix_cache(self, timeout_s: float, poll_s: float = 0.5) -> bool:
+        """Free every engine's prefix cache, asking again while requests still hold blocks (vLLM refuses then), for
+        at most `timeout_s`; whether every engine's cache was freed."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            replies = await asyncio.gather(*(e.post("/reset_prefix_cache") for e in self.admin_clients))
+            if all(bool((r or {}).get("success", False)) for r in replies):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(poll_s)
 
     async def sleep(self, level: int) -> None:
         """Put every engine to sleep (vLLM's sleep mode; level 0 only pauses scheduling); requests still in flight

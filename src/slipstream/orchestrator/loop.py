@@ -51,6 +51,7 @@ async def orchestrate(config: OrchestratorConfig) -> dict[str, float]:
         sampler = TaskSampler(train_tasks, config.batch_size // config.group_size, config.seed)
         relay = WeightRelay(client, config)
         pipeline = RolloutPipeline(client, env, sampler, relay, config)
+        await relay.serve_initial()  # a server another run loaded weights into serves this run's initial ones again
         start_step = await maybe_resume(pipeline, relay, config)
         monitors = Monitors(config, "orchestrator")
         lag = LoopLag()

@@ -33,6 +33,11 @@ from slipstream.transport.weights import is_ready
 
 log = logging.getLogger(__name__)
 
+INITIAL_WEIGHT_VERSION = "default"
+"""vLLM's /weight_info of a server that has finished no weight update since it started."""
+PREFIX_CACHE_RESET_S = 30.0
+"""How long a server that served another run may hold its prefix cache (requests of that run still running)."""
+
 
 class WeightRelay:
     """Tracks the policy version inference serves (0 = initial weights) and updates it as weights are published.
@@ -117,6 +122,46 @@ class WeightRelay:
         """Let watch() return after its current poll or update (an update is never interrupted; a recovery is)."""
         self._stop.set()
         self._wake.set()
+
+    async def serve_initial(self) -> None:
+        """Before the first rollout (fresh or resumed): make inference serve this run's initial weights (version 0),
+        with nothing cached of another run. A server that finished a weight update since it started (vLLM's
+        /weight_info names a version, not "default") serves another run's policy, e.g. a long-lived inference server
+        a restarted run reuses: the model's own checkpoint is loaded back first, saying so, so that rollouts and the
+        weight check's calibration see the initial weights (a server that cannot tell, no /weight_info, too). Then
+        the prefix cache is freed: cache salts are per version, not per run, so KV another run cached (of its own
+        versions or LoRA adapters) would be reused."""
+        versions = await self.client.weight_versions()
+        if stale := {url: version for url, version in versions.items() if version != INITIAL_WEIGHT_VERSION}:
+            folder = self._initial_weights_dir()
+            served = ", ".join(
+                f"{url}: {'unknown' if v is None else f'weight version {v!r}'}" for url, v in stale.items()
+            )
+            log.info(
+                f"inference may serve weights another run loaded ({served}), not this run's initial ones: loading the "
+                f"initial weights from {folder} before the first rollout"
+            )
+            load = await self.client.load_weights(
+                0, {"step": 0, "model": str(folder)}, before_resume=lambda: self._serve(0)
+            )
+            log.info(f"inference serves the initial weights again (loaded in {load.seconds:.1f}s)")
+        if not await self.client.reset_prefix_cache(PREFIX_CACHE_RESET_S):
+            raise RuntimeError(
+                f"inference kept refusing to free its prefix cache for {PREFIX_CACHE_RESET_S:g}s before this run's "
+                "first rollout: requests of another client are running on it, and KV it cached could be reused by this "
+                "run; stop that client (one run per inference server) or restart the server"
+            )
+
+    def _initial_weights_dir(self) -> Path:
+        model = self.config.model
+        folder = model.path if model.path is not None else Path(model.name)
+        if not folder.is_dir():
+            raise RuntimeError(
+                f"inference serves weights loaded after it started, and the orchestrator cannot load the initial ones "
+                f"back: model.path is unset and model.name ({model.name}) is no local folder. Start it through "
+                "`slipstream rl` (which sets model.path), or restart the inference server"
+            )
+        return folder
 
     async def _recover_unless_stopped(self) -> None:
         recovery = asyncio.ensure_future(self.ensure_available())

@@ -68,9 +68,10 @@ class WeightReceiver:
         self.init = init
 
     def receive(self, update_info: dict, load: Loader, direct: DirectLoader | None = None) -> ReceiveStats:
-        """Take one version: `{"step": N, "path": folder}` reads the folder's safetensors; `{"step": N, "manifest":
-        {...}}` receives the manifest's buckets from the sender's broadcast, or with `"shared": handle` reads them from
-        the trainer's shared buffer. `direct` may load a bucket of several
+        """Take one version: `{"step": N, "path": folder}` reads the published folder's safetensors (READY marker
+        required); `{"step": 0, "model": folder}` the model's own checkpoint folder (the initial weights, no marker);
+        `{"step": N, "manifest": {...}}` receives the manifest's buckets from the sender's broadcast, or with
+        `"shared": handle` reads them from the trainer's shared buffer. `direct` may load a bucket of several
         senders' pieces straight from its wire buffer (transport/bucket_receive.py); `load` gets every other one."""
         start = time.perf_counter()
         step = update_info.get("step") if isinstance(update_info, dict) else None
@@ -81,6 +82,11 @@ class WeightReceiver:
                 raise ValueError(f"update_info 'path' must be a folder path, got {update_info['path']!r:.200}")
             names, num_bytes = _load_folder(Path(update_info["path"]), load)
             source = str(update_info["path"])
+        elif "model" in update_info:
+            if step != 0 or not isinstance(update_info["model"], str) or not update_info["model"]:
+                raise ValueError(f"update_info 'model' needs step 0 and a folder path (got {update_info!r:.200})")
+            names, num_bytes = _load_folder(Path(update_info["model"]), load, published=False)
+            source = str(update_info["model"])
         elif "manifest" in update_info:
             manifest = Manifest.from_dict(update_info["manifest"])
             if manifest.step != step:
@@ -99,7 +105,7 @@ class WeightReceiver:
                 source = "broadcast"
             names, num_bytes = {t.name for b in manifest.buckets for t in b.tensors}, manifest.nbytes
         else:
-            raise ValueError(f"update_info needs 'path' or 'manifest' (got keys {sorted(update_info)})")
+            raise ValueError(f"update_info needs 'path', 'model' or 'manifest' (got keys {sorted(update_info)})")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return ReceiveStats(step, len(names), num_bytes, time.perf_counter() - start, source, frozenset(names))
@@ -120,9 +126,10 @@ def _load_shared(handle: dict, manifest: Manifest, device: torch.device, load: L
         load(unpack(flat[offset : offset + bucket.nbytes], bucket))
 
 
-def _load_folder(folder: Path, load: Loader) -> tuple[set[str], int]:
-    """Feed a published folder's tensors to `load` in batches; return (their names, bytes)."""
-    if not (folder / "READY").exists():
+def _load_folder(folder: Path, load: Loader, published: bool = True) -> tuple[set[str], int]:
+    """Feed a folder's tensors to `load` in batches; return (their names, bytes). `published`: a version the trainer
+    wrote, complete only with its READY marker (a model's own checkpoint has none)."""
+    if published and not (folder / "READY").exists():
         raise FileNotFoundError(f"{folder} is not a complete published weights folder (no READY marker)")
     batch: list[tuple[str, torch.Tensor]] = []
     names: set[str] = set()
