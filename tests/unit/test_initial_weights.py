@@ -86,3 +86,26 @@ def test_the_receiver_reads_a_model_folder_without_ready_marker_only_as_version_
         receiver.receive({"step": 0, "path": str(folder)}, loaded.extend)
     with pytest.raises(ValueError, match="'model' needs step 0"):
         receiver.receive({"step": 2, "model": str(folder)}, loaded.extend)
+
+
+def test_a_weight_update_left_unfinished_is_closed_before_the_next(monkeypatch):
+    """An incomplete version stops its run with vLLM's layer-wise reload still open (its layers on the meta device);
+    the next run's first update on that server closes it first, which gives those layers their tensors back."""
+    import vllm.model_executor.model_loader.reload as reload
+
+    from slipstream.inference.transfer_engine import SlipstreamWeightTransferEngine
+    from slipstream.transport.copy_plan import PlannedLoads
+
+    calls = []
+    monkeypatch.setattr(reload, "finalize_layerwise_reload", lambda model, config: calls.append(("finalize", config)))
+    monkeypatch.setattr(reload, "initialize_layerwise_reload", lambda model: calls.append(("initialize",)))
+    engine = object.__new__(SlipstreamWeightTransferEngine)  # the state a version that failed midway leaves
+    engine.model, engine.model_config, engine._layerwise = torch.nn.Linear(2, 2), "model config", True
+    engine.loads = PlannedLoads(enabled=True)
+    engine.loads.start(lambda: [])  # recording the version that failed
+    engine.start_weight_update()
+    assert calls == [("finalize", "model config"), ("initialize",)]  # closed, then this version's reload opened
+    assert engine._layerwise and engine.loads.recorder is not None  # a fresh recording, not the failed version's
+    engine._layerwise = False
+    engine.start_weight_update()  # after a version that finished: nothing to close
+    assert calls[2:] == [("initialize",)]

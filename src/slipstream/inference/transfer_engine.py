@@ -72,6 +72,8 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
         logger.info("slipstream weight transfer: joined session %s (%s)", init_info.session, init_info.backend)
 
     def start_weight_update(self) -> None:
+        if self._layerwise:
+            self._close_unfinished()
         self._tied = shared_parameter_groups(self.model)
         self._loaded = set()
         self._layerwise = False
@@ -134,6 +136,18 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
 
         initialize_layerwise_reload(self.model)
         self._layerwise = True
+
+    def _close_unfinished(self) -> None:
+        """The version before never finished: its load failed midway (an incomplete version stops its run) on a server
+        that outlived the run. vLLM's layer-wise reload is still open, the unloaded layers' parameters on the meta
+        device: close it (those layers get their previous tensors back) so this version starts from a whole model,
+        and drop what was recorded of it for a copy plan."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        logger.warning("slipstream weight transfer: the weight update before this one never finished; closing it first")
+        self.loads.abandon()
+        finalize_layerwise_reload(self.model, self.model_config)
+        self._layerwise = False
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -226,6 +226,11 @@ class PlannedLoads:
     def replaying(self) -> bool:
         return self.plan is not None
 
+    def abandon(self) -> None:
+        """The version never finished: nothing recorded of it becomes a plan (a plan being replayed stays: the
+        model's tensors keep their memory)."""
+        self.recorder = None
+
     def record_instead(self) -> None:
         """Give up on the plan at the version's first call (the pairs differ): the loader runs, watched. Later in a
         version the model is half loaded: the version fails (and the next one is loaded by the loader)."""
