@@ -1,14 +1,22 @@
 """Helpers for end-to-end runs: free ports, run configs, and finding every process a run started."""
 
 import contextlib
+import copy
+import os
+import secrets
+import signal
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import tomli_w
 
+from slipstream.inference.admin_token import TOKEN_ENV, admin_headers
 from slipstream.utils.net import free_port
 
 MARKER_VAR = "SLIPSTREAM_TEST_RUN_ID"
@@ -127,3 +135,53 @@ def resume_config(model_dir: Path, output_dir: Path) -> dict:
         orchestrator={"max_async_level": 0, "seed_requests": True},
         checkpoint={"interval": 1, "keep_last": 1, "keep_every": 2},
     )
+
+
+@dataclass(frozen=True)
+class SharedInference:
+    """One vLLM server that several `slipstream rl` runs of the same model and inference flags use in turn, each run
+    starting only its trainer and orchestrator (deployment.run), as runs against a long-lived inference server do:
+    each finds the weights the run before it left and loads its initial ones back (orchestrator/weights.py)."""
+
+    url: str
+    token: str
+    log_path: Path
+
+    def run_config(self, config: dict) -> dict:
+        """`config` (one of this server's flags) as a run that uses this server instead of starting its own."""
+        config = copy.deepcopy(config)
+        config["deployment"] = {**config.get("deployment", {}), "run": ["trainer", "orchestrator"]}
+        config["weights"] = {**config.get("weights", {}), "transport": "filesystem"}  # what "auto" is on CPU
+        config["orchestrator"]["inference_url"] = self.url
+        return config
+
+    def env(self, env: dict[str, str]) -> dict[str, str]:
+        """A run's environment with this server's admin token."""
+        return {**env, TOKEN_ENV: self.token}
+
+
+@contextlib.contextmanager
+def shared_inference(config: dict, root: Path, env: dict[str, str] | None = None) -> Iterator[SharedInference]:
+    """The inference server of run config `config` (its model, its inference flags), started by `slipstream rl` with
+    deployment.run = ["inference"] on a port of its own (with `env` added to its environment), for the duration of
+    the block; then stopped as a user stops it (SIGTERM to the launcher), leaving no process behind."""
+    config = copy.deepcopy(config)
+    port = free_port()
+    config["inference"] = {**config["inference"], "port": port}
+    config |= {"output_dir": str(root / "inference"), "deployment": {"run": ["inference"]}}
+    config["weights"] = {**config.get("weights", {}), "transport": "filesystem"}
+    cfg = write_config(root / "inference.toml", config)
+    marker, token = uuid.uuid4().hex, secrets.token_urlsafe(32)
+    env = {**os.environ, **(env or {}), MARKER_VAR: marker, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
+    url, log_path = f"http://127.0.0.1:{port}", root / "inference_launcher.log"
+    with running_server([sys.executable, "-m", "slipstream", "rl", "-c", str(cfg)], url, log_path, env) as launcher:
+        # ours, not another worker's on the same port: it takes this server's admin token
+        reply = httpx.get(f"{url}/weight_info", headers=admin_headers(token), timeout=10)
+        assert reply.status_code == 200 and reply.json() == {"weight_version": "default"}, reply.text
+        yield SharedInference(url, token, Path(config["output_dir"]) / "logs" / "inference.log")
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=60)
+    deadline = time.monotonic() + 10
+    while processes_with_marker(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_with_marker(marker) == [], "processes left behind by the shared inference server"
