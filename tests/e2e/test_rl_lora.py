@@ -1,6 +1,10 @@
 """RL with `[model.lora]` end to end through real vLLM (CPU build): vLLM serves the base model with --enable-lora, the
 trainer publishes each step's adapter as a PEFT folder, the orchestrator loads it in place under the adapter's name
-and verifies every load with the trainer's probe; the published adapter reproduces inference's log-probs in peft."""
+and verifies every load with the trainer's probe; the published adapter reproduces inference's log-probs in peft.
+
+The uninterrupted run and the resumed one use one vLLM server in turn (`lora_server`): the resumed run finds the
+adapter of the run before it loaded under the same name, and must still end where that run ended. The interrupted run
+starts its own (the kill must leave nothing of it behind)."""
 
 import json
 import os
@@ -14,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from slipstream.trainer.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_DIR
-from tests.e2e.helpers import MARKER_VAR, resume_config, write_config
+from tests.e2e.helpers import MARKER_VAR, resume_config, shared_inference, write_config
 from tests.e2e.test_resume import _finish, _metrics, _rl, _victim_pid, _wait_gone
 from tests.e2e.test_rl_tiny import LOGPROB_TOLERANCE, MIN_CHANGE_PER_STEP, _read_jsonl
 
@@ -30,14 +34,23 @@ def _lora_config(model_dir, out):
 
 
 @pytest.fixture(scope="module")
-def lora_run(tiny_qwen3_dir, tmp_path_factory):
+def lora_server(tiny_qwen3_dir, tmp_path_factory):
+    """The vLLM server of `_lora_config`'s flags (--enable-lora), used in turn by the uninterrupted and resumed runs."""
+    root = tmp_path_factory.mktemp("lora_server")
+    with shared_inference(_lora_config(tiny_qwen3_dir, root / "unused"), root) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def lora_run(lora_server, tiny_qwen3_dir, tmp_path_factory):
     """One uninterrupted LoRA run (4 steps), checked by the first test and the reference of the resume test (one
     real-vLLM run fewer in the suite)."""
     root = tmp_path_factory.mktemp("lora_run")
     marker = uuid.uuid4().hex
-    env = {**os.environ, MARKER_VAR: marker, "PYTHONUNBUFFERED": "1"}
+    env = lora_server.env({**os.environ, MARKER_VAR: marker, "PYTHONUNBUFFERED": "1"})
     out = root / "run"
-    stdout, stderr = _finish(_rl(write_config(root / "rl.toml", _lora_config(tiny_qwen3_dir, out)), env), 600)
+    config = lora_server.run_config(_lora_config(tiny_qwen3_dir, out))
+    stdout, stderr = _finish(_rl(write_config(root / "rl.toml", config), env), 600)
     assert "[slipstream] step 4/4" in stdout, f"stdout:\n{stdout}\nstderr:\n{stderr}"
     _wait_gone(marker)  # nothing of the run left behind
     return out
@@ -82,7 +95,7 @@ def test_lora_rl_steps_with_verified_adapter_loads(tiny_qwen3_dir, lora_run):
         assert (logprobs - served).abs().max() <= LOGPROB_TOLERANCE
 
 
-def test_lora_rl_resume_matches_an_uninterrupted_run(tiny_qwen3_dir, tmp_path, run_env, lora_run):
+def test_lora_rl_resume_matches_an_uninterrupted_run(tiny_qwen3_dir, tmp_path, run_env, lora_server, lora_run):
     """Kill -9 the trainer after the checkpoint of step 2, `--resume`: the adapter and its AdamW state come back from
     the checkpoint, the orchestrator serves step 2's adapter again, and the run ends with the losses and the adapter
     of an uninterrupted run (synchronous, seeded requests)."""
@@ -103,7 +116,8 @@ def test_lora_rl_resume_matches_an_uninterrupted_run(tiny_qwen3_dir, tmp_path, r
             launcher.kill()
             launcher.communicate()
     _wait_gone(marker)
-    resumed = _rl(cfg, env, "--resume")
+    resumed_cfg = write_config(tmp_path / "rl_resumed.toml", lora_server.run_config(_lora_config(tiny_qwen3_dir, out)))
+    resumed = _rl(resumed_cfg, lora_server.env(env), "--resume")
     stdout, stderr = _finish(resumed, 600)
     assert resumed.returncode == 0, f"stdout:\n{stdout}\nstderr:\n{stderr}"
     _wait_gone(marker)
