@@ -5,7 +5,7 @@ import uuid
 
 import pytest
 
-from tests.e2e.helpers import MARKER_VAR
+from tests.e2e.helpers import MARKER_VAR, shared_inference, tiny_rl_config
 
 
 @pytest.fixture
@@ -14,3 +14,13 @@ def run_env():
     marker = uuid.uuid4().hex
     env = {**os.environ, MARKER_VAR: marker, "PYTHONUNBUFFERED": "1"}
     return marker, env
+
+
+@pytest.fixture(scope="session")
+def tiny_inference(tiny_qwen3_dir, tmp_path_factory):
+    """One vLLM server of `tiny_rl_config`'s flags (the tiny Qwen3) for this worker's session, used in turn by the runs
+    that need nothing else of inference (SharedInference.run_config), instead of one server per run. Started at the
+    first use, on a port of its own; stopped, leaving nothing behind, when the session ends."""
+    root = tmp_path_factory.mktemp("tiny_inference")
+    with shared_inference(tiny_rl_config(tiny_qwen3_dir, root / "unused", max_steps=1), root) as server:
+        yield server

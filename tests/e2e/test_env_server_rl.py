@@ -2,7 +2,8 @@
 vLLM (CPU build); SIGKILL of that process while a rollout is inside it fails only its rollouts (counted), then the
 run goes on with a restarted server (`orchestrator.env.server.on_crash = "restart"`). The "stop" setting is exercised
 through the orchestrator with a real env server in tests/unit/test_env_server.py (test_a_crash_stops_the_run_when_configured):
-a second real-vLLM run here would add a minute to the suite for the same code path."""
+a second real-vLLM run here would add a minute to the suite for the same code path. The run uses the session's tiny
+vLLM server (tests/e2e/conftest.py's tiny_inference)."""
 
 import json
 import os
@@ -79,15 +80,16 @@ def wait_for(predicate, proc: subprocess.Popen, what: str, timeout_s: float = 60
         time.sleep(0.2)
 
 
-def test_a_verifiers_env_server_trains_and_survives_its_crash(tiny_model_factory, tmp_path, run_env):
+def test_a_verifiers_env_server_trains_and_survives_its_crash(tiny_inference, tiny_qwen3_dir, tmp_path, run_env):
     on_crash = "restart"
     marker, env = run_env
     (tmp_path / "word_taskset.py").write_text(TASKSET)
     gate = tmp_path / "gate"
     gate.mkdir()
-    env = {**env, "PYTHONPATH": str(tmp_path), "SLIPSTREAM_TEST_GATE": str(gate)}
+    pythonpath = f"{tmp_path}:{env.get('PYTHONPATH', '')}"  # the checkout under test may be on it
+    env = tiny_inference.env({**env, "PYTHONPATH": pythonpath, "SLIPSTREAM_TEST_GATE": str(gate)})
     out = tmp_path / "run"
-    config = tiny_rl_config(tiny_model_factory("qwen3"), out, max_steps=3)
+    config = tiny_inference.run_config(tiny_rl_config(tiny_qwen3_dir, out, max_steps=3))
     config["orchestrator"]["env"] = {
         "name": "verifiers",
         "args": {"taskset": "word_taskset"},
