@@ -1,4 +1,5 @@
-"""Helpers for end-to-end runs: free ports, run configs, and finding every process a run started."""
+"""Helpers for end-to-end runs: free ports, run configs, finding every process a run started, and vLLM servers that
+several runs share."""
 
 import contextlib
 import copy
@@ -145,7 +146,6 @@ class SharedInference:
 
     url: str
     token: str
-    log_path: Path
 
     def run_config(self, config: dict) -> dict:
         """`config` (one of this server's flags) as a run that uses this server instead of starting its own."""
@@ -178,7 +178,7 @@ def shared_inference(config: dict, root: Path, env: dict[str, str] | None = None
         # ours, not another worker's on the same port: it takes this server's admin token
         reply = httpx.get(f"{url}/weight_info", headers=admin_headers(token), timeout=10)
         assert reply.status_code == 200 and reply.json() == {"weight_version": "default"}, reply.text
-        yield SharedInference(url, token, Path(config["output_dir"]) / "logs" / "inference.log")
+        yield SharedInference(url, token)
         launcher.send_signal(signal.SIGTERM)
         launcher.wait(timeout=60)
     deadline = time.monotonic() + 10
