@@ -97,8 +97,8 @@ def test_checkpointed_moe_blocks_compile_whole_and_match_eager(tiny_model_factor
     assert dict(counters["graph_break"]) == {}, dict(counters["graph_break"])
     assert torch.equal(got[1].tokens_per_expert_LE, want[1].tokens_per_expert_LE)  # replayed: the same choice
     torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
-    for (routed, agreeing), (want_routed, want_agreeing) in zip(got[2], want[2], strict=True):
-        assert routed == want_routed == T and abs(int(agreeing) - int(want_agreeing)) <= 2
+    for (seen, routed, agreeing), (want_seen, want_routed, want_agreeing) in zip(got[2], want[2], strict=True):
+        assert seen == want_seen == routed == want_routed == T and abs(int(agreeing) - int(want_agreeing)) <= 2
     assert got[3].keys() == want[3].keys()
     for name, grad in want[3].items():  # bf16 noise: relative norm of the difference, per parameter
         error = (got[3][name] - grad).norm() / grad.norm().clamp_min(1e-12)
