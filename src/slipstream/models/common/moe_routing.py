@@ -94,8 +94,8 @@ class GroupLimitedSigmoidRouter(TopKRouter):
 
 def replay_selection(router: TopKRouter, own_NA: Tensor, replay_NA: Tensor) -> Tensor:
     """expert_ids_NA: inference's experts (`replay_NA`) for the tokens it routed (no -1), the router's own choice
-    `own_NA` for the others; records (replayed tokens, of those the ones whose own set was inference's) on
-    `router.replay_counts`, as TopKRouter does."""
+    `own_NA` for the others; records (tokens, of those replayed, of those the ones whose own set was inference's)
+    on `router.replay_counts`, as TopKRouter does (moe.replay_counts)."""
     replay_NA = replay_NA.to(own_NA.dtype)
     routed_N, router.replay_counts = replay_counts(own_NA, replay_NA)
     return torch.where(routed_N[:, None], replay_NA, own_NA)
