@@ -26,9 +26,9 @@ from pathlib import Path
 from slipstream.config.orchestrator import OrchestratorConfig
 from slipstream.orchestrator.loop import orchestrate
 from slipstream.transport.rollouts import batch_path, read_batch
-from slipstream.transport.weights import PROBE, READY, weights_dir
 from slipstream.utils.fs import commit_dir
 from slipstream.utils.net import free_port
+from slipstream.weights.wire.published import PROBE, READY, weights_dir
 from slipstream_sim import LatencyModel, SimConfig, sim_logprob
 
 MODEL = "sim"

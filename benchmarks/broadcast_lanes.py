@@ -7,7 +7,7 @@ sender, except where one root sends it whole):
 - `coalesced_4`: both halves in one NCCL group on one communicator of all 4 ranks (the pieces path before lanes);
 - `one_by_one_4`: the same two broadcasts one after the other;
 - `lanes`: sender q broadcasts its half on its own communicator with the receivers ({0,2,3} and {1,2,3}), side by
-  side (transport/collective.py's Lanes: what the pieces path does now);
+  side (weights/wire/collective.py's Lanes: what the pieces path does now);
 - `p2p`: each sender sends its half to each receiver (batched isend/irecv);
 - `one_root_3`, `one_root_2`: one root, the whole bucket, to {0,2,3} / {0,2} (the floor of one sender).
 
@@ -32,8 +32,8 @@ MB = 1 << 20
 def plans() -> dict[str, list[int]]:
     from weight_transfer import BUCKET_MB, EDGE_MB, build_model
 
-    from slipstream.trainer.weight_export import HFWeightStream
-    from slipstream.transport.weight_stream import plan_pipelined
+    from slipstream.weights.send.export import HFWeightStream
+    from slipstream.weights.wire.stream import plan_pipelined
 
     metas = HFWeightStream(build_model("qwen3-0.6b", torch.device("meta")), torch.bfloat16).metas()
     sizes = [b.nbytes for b in plan_pipelined(metas, BUCKET_MB * MB, EDGE_MB * MB)]

@@ -1,6 +1,6 @@
 """The sender's side without the send: how long an FSDP-sharded trainer takes to produce its weight stream in
 bfloat16 (every rank gathers; rank 0 also assembles the 512 MiB buckets, as before a broadcast; nothing is sent),
-with the chunked all-gather of trainer/shard_gather.py and with the per-layer
+with the chunked all-gather of weights/send/shard_gather.py and with the per-layer
 FSDP unsharding it replaces, measured in the same run on the same model. GPUs (NCCL, one rank per GPU, the trainer's
 mixed-precision policy: FSDP gathers bfloat16) or CPU ranks (gloo; FSDP gathers float32 there).
 
@@ -40,9 +40,9 @@ def _sync(device: torch.device) -> None:
 def worker(rank: int, args: dict, results) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from slipstream.trainer.weight_export import HFWeightStream
-    from slipstream.transport.bucket_assembly import BucketBuffers, stream_to
-    from slipstream.transport.weight_stream import Manifest, plan_buckets
+    from slipstream.weights.send.export import HFWeightStream
+    from slipstream.weights.wire.bucket_assembly import BucketBuffers, stream_to
+    from slipstream.weights.wire.stream import Manifest, plan_buckets
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args["port"]))
     if args["device"] == "cuda":
@@ -88,7 +88,7 @@ def _profile(rank: int, device: torch.device, stream, manifest, buffers, args: d
     the Chrome trace to `<--profile>.json` (benchmarks/trace_gaps.py lists where the GPU waits)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from slipstream.transport.bucket_assembly import stream_to
+    from slipstream.weights.wire.bucket_assembly import stream_to
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     _sync(device)

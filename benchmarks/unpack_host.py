@@ -1,4 +1,4 @@
-"""Host time of `weight_stream.unpack` (the receiving side's views of a bucket, on every version: the vLLM engine,
+"""Host time of `weights.wire.stream.unpack` (the receiving side's views of a bucket, on every version: the vLLM engine,
 the simulated server and the transfer benchmark run it) for one MoE layer's experts in Hugging Face names (128
 experts x gate/up/down of the Qwen3-30B-A3B shape: 384 tensors). No data moves: the figure is per-tensor host work.
 
@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from slipstream.transport.weight_stream import Bucket, TensorMeta, unpack  # noqa: E402
+from slipstream.weights.wire.stream import Bucket, TensorMeta, unpack  # noqa: E402
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """What a weight version costs inside the real vLLM (CPU build) with Slipstream's engine: vLLM's own loaders under
-its layer-wise reload, against the copy plan's replay (transport/copy_plan.py), on the same model and stream.
+its layer-wise reload, against the copy plan's replay (weights/receive/copy_plan.py), on the same model and stream.
 
 A random Qwen3 of 28 layers at tiny widths (Qwen3-0.6B's 311 checkpoint tensors, 23 MB in float32) takes three
 versions by gloo broadcast in one bucket, through vLLM's weight-transfer API

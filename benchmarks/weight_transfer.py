@@ -1,19 +1,19 @@
 """Weight transfer benchmark (GPU): the trainer's weight stream, both ways `slipstream rl` sends it, into receiver
-processes running the receive-and-load code of Slipstream's vLLM engine (transport/weight_receiver.py). Their loader
+processes running the receive-and-load code of Slipstream's vLLM engine (weights/receive/receiver.py). Their loader
 copies every tensor into the receiver's own preallocated bf16 parameters, one `copy_` per tensor as vLLM's
-load_weights goes; as in the engine, the first version's loads are recorded into a copy plan (transport/copy_plan.py)
-and later versions replay it (`stream`: one fused copy per bucket). `stream_tensorloads` is the same stream with
-every version loaded tensor by tensor, `stream_noload` with receivers that do not load. Each is the best of REPEATS
-versions after a warm-up; the receiver's host times of the last version (`receiver0_pieces_host_ms`: start, first
-bucket loaded, last bucket loaded, done, in ms) and the sender's (`pieces_*_sender_host_ms`: its work queued) show
-whether a host falls behind its GPU.
-- `pieces` (what the trainer uses when the model's sharding allows, trainer/piece_send.py): every trainer rank casts
-  its own rows of each bucket into a reused buffer and broadcasts them on its own lane (a group of it and the
+load_weights goes; as in the engine, the first version's loads are recorded into a copy plan
+(weights/receive/copy_plan.py) and later versions replay it (`stream`: one fused copy per bucket). `stream_tensorloads`
+is the same stream with every version loaded tensor by tensor, `stream_noload` with receivers that do not load. Each is
+the best of REPEATS versions after a warm-up; the receiver's host times of the last version (`receiver0_pieces_host_ms`:
+start, first bucket loaded, last bucket loaded, done, in ms) and the sender's (`pieces_*_sender_host_ms`: its work
+queued) show whether a host falls behind its GPU.
+- `pieces` (what the trainer uses when the model's sharding allows, weights/send/piece_send.py): every trainer rank
+  casts its own rows of each bucket into a reused buffer and broadcasts them on its own lane (a group of it and the
   receivers); receivers replay the copy plan straight from the buffer the pieces arrived in (`--lay-out`: lay the
   bucket out whole first, as the loader's first version does); the bucket plan ramps up from and down to
   `--edge-mb` (the trainer's weights.edge_bucket_mb);
-- `gather` (the fallback, trainer/weight_export.py): FSDP shards cast to bf16 and all-gathered a chunk of layers at a
-  time by trainer/shard_gather.py, each layer copied into reused dtype-grouped bucket buffers, rank 0 broadcasting
+- `gather` (the fallback, weights/send/export.py): FSDP shards cast to bf16 and all-gathered a chunk of layers at a
+  time by weights/send/shard_gather.py, each layer copied into reused dtype-grouped bucket buffers, rank 0 broadcasting
   each bucket while the next layers are gathered.
 
 Scenarios (those that fit the visible GPUs):
@@ -121,7 +121,7 @@ def build_model(name: str, device: torch.device, fsdp_mesh=None, layers: int | N
 
 def _raw(group, nbytes: int, results: dict, prefix: str = "") -> None:
     """Rank 0 of `group`: the raw broadcast baseline (RAW_ITERS broadcasts of RAW_BYTES after a warm-up)."""
-    from slipstream.transport.weight_stream import broadcast
+    from slipstream.weights.wire.stream import broadcast
 
     device = _device()
     buf = torch.empty(max(RAW_BYTES, nbytes), dtype=torch.uint8, device=device)
@@ -165,7 +165,7 @@ def sender_pieces(rank: int, args: dict, pieces, manifest, group, results: dict)
 
 def _receive_raw(group) -> None:
     """A member of `group` other than rank 0: takes part in the raw baseline's broadcasts."""
-    from slipstream.transport.weight_stream import broadcast
+    from slipstream.weights.wire.stream import broadcast
 
     buf = torch.empty(RAW_BYTES, dtype=torch.uint8, device=_device())
     for _ in range(RAW_ITERS + 1):
@@ -176,8 +176,8 @@ def sender(rank: int, args: dict, stream, manifest, group, results: dict) -> Non
     """Trainer rank `rank`, rank 0 sending after a gather: raw broadcast baseline, the plan's buckets broadcast bare,
     the stream into receivers that do not load, the stream (each REPEATS times after a warm-up), then the filesystem
     path."""
-    from slipstream.transport.bucket_assembly import BucketBuffers, stream_to
-    from slipstream.transport.weight_stream import BroadcastSink, SafetensorsSink, broadcast
+    from slipstream.weights.wire.bucket_assembly import BucketBuffers, stream_to
+    from slipstream.weights.wire.stream import BroadcastSink, SafetensorsSink, broadcast
 
     device = _device()
     if rank == 0:
@@ -245,7 +245,7 @@ class _NullSink:
 
 def _time_assembly(stream, manifest, buffers, results: dict) -> None:
     """One trainer rank only (no FSDP gathers): the stream assembled into the bucket buffers, nothing sent."""
-    from slipstream.transport.bucket_assembly import stream_to
+    from slipstream.weights.wire.bucket_assembly import stream_to
 
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         return
@@ -281,7 +281,7 @@ def _traced(args: dict, name: str | None):
 def _sync(group) -> None:
     """Returns once every member got here (an all-reduce of one element: the sender cannot finish it early); with
     several senders, on each lane in turn (a sender's own lane: no sender starts before every receiver is ready)."""
-    from slipstream.transport.collective import Lanes
+    from slipstream.weights.wire.collective import Lanes
 
     flag = torch.ones(1, device=_device())
     for g in group.held() if isinstance(group, Lanes) else [group]:
@@ -291,7 +291,7 @@ def _sync(group) -> None:
 
 def _lane0(group):
     """The group of trainer rank 0 and every receiver: the session's group, or lane 0 with several senders."""
-    from slipstream.transport.collective import Lanes
+    from slipstream.weights.wire.collective import Lanes
 
     return group.groups[0] if isinstance(group, Lanes) else group
 
@@ -305,7 +305,7 @@ def receiver(index: int, args: dict, inits: dict, manifests: dict, results) -> N
     """Receiver `index`: for each path, joins its group and takes the stream REPEATS + 1 times without loading and
     as many times loading each tensor into its own preallocated parameters (and, after a gather, the folder once).
     With both paths, the parameters each left are compared bit for bit (`receiver<i>_paths_agree`)."""
-    from slipstream.transport.weight_receiver import WeightReceiver
+    from slipstream.weights.receive.receiver import WeightReceiver
 
     device = _device()
     manifest = manifests["gather"]
@@ -350,7 +350,7 @@ def _receive_stream(rx, manifest, load, params: dict, args: dict, trace: str | N
     Parameters are NaN-filled before every replayed version. Returns whether the replays left exactly the bytes the
     tensor-by-tensor loads did, the host times of each phase's last version (ms: start, first bucket loaded, last
     bucket loaded, done), and how many buckets the last replayed version loaded straight from the wire buffer."""
-    from slipstream.transport.copy_plan import PlannedLoads
+    from slipstream.weights.receive.copy_plan import PlannedLoads
 
     info = {"step": manifest.step, "manifest": manifest.to_dict()}
     loads = PlannedLoads()  # recorded at its phase's warm-up, as the engine records the first version
@@ -417,8 +417,8 @@ def _receive_stream(rx, manifest, load, params: dict, args: dict, trace: str | N
 
 
 def _receive_gathered(index: int, args: dict, init, manifest, load, params: dict) -> bool:
-    from slipstream.transport.bucket_receive import receive_buckets
-    from slipstream.transport.weight_receiver import WeightReceiver
+    from slipstream.weights.receive.bucket_receive import receive_buckets
+    from slipstream.weights.receive.receiver import WeightReceiver
 
     device = _device()
     rx = WeightReceiver(device, rank_in_receivers=index)
@@ -443,10 +443,10 @@ def _receive_gathered(index: int, args: dict, init, manifest, load, params: dict
 
 
 def worker(rank: int, args: dict, results) -> None:
-    from slipstream.trainer.piece_send import PieceSender
-    from slipstream.trainer.weight_export import HFWeightStream
-    from slipstream.transport.collective import GroupInit, close_group, open_group, open_store
-    from slipstream.transport.weight_stream import Manifest, plan_buckets, plan_pipelined
+    from slipstream.weights.send.export import HFWeightStream
+    from slipstream.weights.send.piece_send import PieceSender
+    from slipstream.weights.wire.collective import GroupInit, close_group, open_group, open_store
+    from slipstream.weights.wire.stream import Manifest, plan_buckets, plan_pipelined
 
     num_trainers, num_receivers = args["num_trainers"], args["num_receivers"]
     global DEVICE_TYPE, RAW_BYTES

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from slipstream.monitor.phases import phase_lines, phase_score, rl_scores, write_phase_plot
 from slipstream.rundir import RunDir
-from slipstream.transport.weights import latest_ready_step
+from slipstream.weights.wire.published import latest_ready_step
 
 DEFAULTS = (
     "outputs/reverse_text_base_eval.json",

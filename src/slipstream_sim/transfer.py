@@ -1,7 +1,7 @@
 """The simulator's side of vLLM's weight-transfer API (/init_weight_transfer_engine, /start_weight_update,
 /update_weights, /finish_weight_update, /get_world_size), with vLLM's semantics: a version arrives either from a
 published folder or by broadcast from the trainer, and is served from /finish_weight_update on. Broadcast weights are
-received by the very code Slipstream's vLLM engine runs (transport/weight_receiver.py), on `SimConfig.transfer_device`
+received by the very code Slipstream's vLLM engine runs (weights/receive/receiver.py), on `SimConfig.transfer_device`
 (torch is imported only then), so GPU tests and benchmarks exercise the real transfer without vLLM."""
 
 import asyncio
@@ -27,8 +27,8 @@ class SimWeightTransfer:
         """vLLM's /weight_info: "default" until the first finished update, then that update's weight_version."""
 
     async def init(self, init_info: dict[str, Any]) -> None:
-        from slipstream.transport.collective import GroupInit
-        from slipstream.transport.weight_receiver import WeightReceiver
+        from slipstream.weights.receive.receiver import WeightReceiver
+        from slipstream.weights.wire.collective import GroupInit
 
         try:
             init = GroupInit(**init_info)

@@ -13,7 +13,7 @@ from slipstream.models.registry import export_hf_state_dict
 from slipstream.trainer.ckpt import committed_steps
 from slipstream.trainer.rl import run_trainer
 from slipstream.trainer.setup import setup_trainer, teardown_trainer
-from slipstream.transport.weights import weights_dir
+from slipstream.weights.wire.published import weights_dir
 from tests.distributed.helpers import run_ranks, run_trainers, write_step_batches
 
 

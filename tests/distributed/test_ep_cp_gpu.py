@@ -13,7 +13,7 @@ from slipstream.config.shared import ModelConfig
 from slipstream.config.trainer import OptimConfig, ParallelConfig, TrainerConfig
 from slipstream.config.weights import WeightsConfig
 from slipstream.monitor.metrics import read_metrics
-from slipstream.transport.weights import weights_dir
+from slipstream.weights.wire.published import weights_dir
 from tests.distributed.helpers import write_step_batches
 
 pytestmark = [

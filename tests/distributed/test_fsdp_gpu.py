@@ -18,7 +18,7 @@ from slipstream.config.trainer import OptimConfig, TrainerConfig
 from slipstream.config.weights import WeightsConfig
 from slipstream.monitor.metrics import read_metrics
 from slipstream.trainer.ckpt import committed_steps
-from slipstream.transport.weights import weights_dir
+from slipstream.weights.wire.published import weights_dir
 from tests.distributed.helpers import write_step_batches
 
 pytestmark = [

@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 from slipstream.monitor.metrics import read_metrics
 from slipstream.rundir import RunDir
-from slipstream.trainer.lora_export import ADAPTER_DIR, ADAPTER_WEIGHTS
 from slipstream.trainer.sft import run_sft
+from slipstream.weights.send.lora_export import ADAPTER_DIR, ADAPTER_WEIGHTS
 from tests.distributed.helpers import BatchedRanks, selected_params
 from tests.unit.test_lora_sft import _config
 

@@ -13,7 +13,7 @@ from slipstream.monitor.metrics import read_metrics
 from slipstream.trainer.ckpt import COMMITTED, checkpoint_dir, committed_steps
 from slipstream.trainer.rl import run_trainer
 from slipstream.trainer.setup import setup_trainer, teardown_trainer
-from slipstream.transport.weights import weights_dir
+from slipstream.weights.wire.published import weights_dir
 from tests.distributed.helpers import run_ranks, run_trainers, write_step_batches
 
 

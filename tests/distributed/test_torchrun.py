@@ -11,7 +11,7 @@ from slipstream.config.shared import CheckpointConfig, ModelConfig
 from slipstream.config.trainer import OptimConfig, TrainerConfig
 from slipstream.monitor.metrics import read_metrics
 from slipstream.trainer.ckpt import committed_steps
-from slipstream.transport.weights import READY, read_probe, weights_dir
+from slipstream.weights.wire.published import READY, read_probe, weights_dir
 from tests.distributed.helpers import step_micro_batches, write_step_batches
 
 

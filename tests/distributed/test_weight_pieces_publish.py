@@ -1,4 +1,4 @@
-"""Two trainer ranks (FSDP=2, gloo) publish by broadcast, each sending its own rows (trainer/piece_send.py), to a
+"""Two trainer ranks (FSDP=2, gloo) publish by broadcast, each sending its own rows (weights/send/piece_send.py), to a
 receiver process running the receive code of Slipstream's vLLM engine: it gets exactly the tensors the gather path
 lays out. A receiver that dies mid-transfer makes both ranks fail the attempt together; they wait for a new session
 and send the version again whole, and the last step is also written to disk."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slipstream.transport.weight_offers import DELIVERED, Accept, is_offered, read_manifest, write_accept
-from slipstream.transport.weights import READY, weights_dir
+from slipstream.weights.wire.offers import DELIVERED, Accept, is_offered, read_manifest, write_accept
+from slipstream.weights.wire.published import READY, weights_dir
 from tests.e2e.helpers import free_port
 from tests.unit.weight_receiver_proc import start_receiver, wait_for
 
@@ -25,10 +25,10 @@ def publish_two_steps(model_dir: str, out: Path, port: int, result: Path) -> Non
     from slipstream.config.shared import ModelConfig
     from slipstream.config.trainer import TrainerConfig
     from slipstream.config.weights import WeightsConfig
-    from slipstream.trainer.publish import WeightPublisher
     from slipstream.trainer.setup import setup_trainer, teardown_trainer
-    from slipstream.transport.bucket_assembly import stream_to
-    from slipstream.transport.weight_stream import Manifest, unpack
+    from slipstream.weights.send.publish import WeightPublisher
+    from slipstream.weights.wire.bucket_assembly import stream_to
+    from slipstream.weights.wire.stream import Manifest, unpack
 
     class Collect:
         def __init__(self) -> None:

@@ -1,5 +1,5 @@
-"""Two trainer ranks each broadcast their own rows of a bucket (transport/pieces.py), each on its own lane, to two
-receivers running the receive code of Slipstream's vLLM engine (transport/weight_receiver.py): each gets every
+"""Two trainer ranks each broadcast their own rows of a bucket (weights/wire/pieces.py), each on its own lane, to two
+receivers running the receive code of Slipstream's vLLM engine (weights/receive/receiver.py): each gets every
 tensor whole, bit for bit, with uneven rows, a tensor held by one sender, a 0-d tensor and an empty one, over
 several buckets of two dtypes (gloo). Two versions in a row: the second lands in the buffers and views kept from the
 first."""
@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from slipstream.transport.weight_stream import Bucket, Manifest, TensorMeta
+from slipstream.weights.wire.stream import Bucket, Manifest, TensorMeta
 
 SHAPES = {"a": (5, 3), "b": (3,), "c": (), "d": (4, 2, 2), "e": (0, 7), "f": (6, 4)}
 ROWS = {"a": (3, 2), "b": (0, 3), "c": (1, 0), "d": (2, 2), "e": (0, 0), "f": (3, 3)}
@@ -34,8 +34,8 @@ def _tensors(version: int = 0) -> dict[str, torch.Tensor]:
 
 
 def sender_or_receiver(port: int, out_path) -> None:
-    from slipstream.transport.collective import GroupInit, open_group, open_store
-    from slipstream.transport.weight_receiver import WeightReceiver
+    from slipstream.weights.receive.receiver import WeightReceiver
+    from slipstream.weights.wire.collective import GroupInit, open_group, open_store
 
     rank = int(os.environ["RANK"])
     init = GroupInit("gloo", "127.0.0.1", port, "s", world_size=4, rank_offset=2, timeout_s=60, senders=2)
@@ -64,7 +64,7 @@ def sender_or_receiver(port: int, out_path) -> None:
 
 def send_rows(lanes, rank: int, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
     """Sender `rank`'s part of one version: its rows of every tensor, broadcast bucket by bucket."""
-    from slipstream.transport.weight_stream import start_pieces
+    from slipstream.weights.wire.stream import start_pieces
 
     for bucket in manifest.buckets:
         wire = torch.zeros(bucket.nbytes, dtype=torch.uint8)

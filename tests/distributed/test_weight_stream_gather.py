@@ -1,5 +1,5 @@
 """The weight stream of a sharded model (gloo ranks) sends the same bytes whichever way its shards are gathered:
-chunks of layers cast and all-gathered together (trainer/shard_gather.py), or each layer's FSDP unit unsharded in
+chunks of layers cast and all-gathered together (weights/send/shard_gather.py), or each layer's FSDP unit unsharded in
 float32 and cast in the bucket copy. After a training step and a forward (which leave the root's FSDP unit
 unsharded), for dense and MoE models (experts sharded by FSDP, by EP alone and by both), transformers' model, HSDP,
 tensors kept in float32, one chunk and one chunk per layer. Also checks how many collectives the chunked gather
@@ -10,7 +10,7 @@ import torch
 
 from slipstream.config.shared import ModelConfig
 from slipstream.config.trainer import ParallelConfig, TrainerConfig
-from slipstream.trainer.shard_gather import rows_per_rank
+from slipstream.weights.send.shard_gather import rows_per_rank
 from tests.distributed.helpers import BatchedRanks, CollectBuckets, selected_params, write_step_batches
 
 CASES = {
@@ -24,7 +24,8 @@ CASES = {
 }
 
 NOT_DIRECT = {"qwen3_moe-custom-fsdp2-ep2", "qwen3-custom-hsdp"}
-"""Cases whose trainer ranks cannot each send their own rows (trainer/piece_send.py): experts sharded twice; HSDP."""
+"""Cases whose trainer ranks cannot each send their own rows (weights/send/piece_send.py): experts sharded twice;
+HSDP."""
 
 KEEP_IN_FP32 = {"qwen3-custom-fsdp2": ("q_norm",)}
 """Cases whose model publishes these (sharded) tensors in float32: their gathers travel in float32."""
@@ -44,13 +45,13 @@ def stream_both_ways(
     `keep_in_fp32` names tensors published in float32 (as a family's `keep_in_fp32` does)."""
     import torch.distributed as dist
 
-    from slipstream.trainer.publish import probe_logprobs
     from slipstream.trainer.setup import setup_trainer, teardown_trainer
     from slipstream.trainer.step import train_step
-    from slipstream.trainer.weight_export import HFWeightStream
-    from slipstream.transport.bucket_assembly import stream_to
     from slipstream.transport.rollouts import batch_path, read_batch
-    from slipstream.transport.weight_stream import Manifest, plan_buckets
+    from slipstream.weights.send.export import HFWeightStream
+    from slipstream.weights.send.publish import probe_logprobs
+    from slipstream.weights.wire.bucket_assembly import stream_to
+    from slipstream.weights.wire.stream import Manifest, plan_buckets
 
     config = TrainerConfig(
         model=ModelConfig(name=model_dir),
@@ -102,14 +103,14 @@ def stream_both_ways(
 
 
 def send_pieces(stream, device: torch.device) -> dict:
-    """Every rank sends its own rows (trainer/piece_send.py) on its own lane (no receivers here: a lane of that rank
-    alone; gloo, NCCL on CUDA), and rank 0 collects every bucket whole over the trainer's group, as on checkpoint
+    """Every rank sends its own rows (weights/send/piece_send.py) on its own lane (no receivers here: a lane of that
+    rank alone; gloo, NCCL on CUDA), and rank 0 collects every bucket whole over the trainer's group, as on checkpoint
     steps. {"not_direct": why} for a model that cannot be sent so."""
     import torch.distributed as dist
 
-    from slipstream.trainer.piece_send import NotDirect, PieceSender
-    from slipstream.transport.collective import Lanes
-    from slipstream.transport.weight_stream import Manifest, plan_buckets
+    from slipstream.weights.send.piece_send import NotDirect, PieceSender
+    from slipstream.weights.wire.collective import Lanes
+    from slipstream.weights.wire.stream import Manifest, plan_buckets
 
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
@@ -210,7 +211,7 @@ def gather_uneven_rows(result_path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from slipstream.trainer.shard_gather import ShardGatherer
+    from slipstream.weights.send.shard_gather import ShardGatherer
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)

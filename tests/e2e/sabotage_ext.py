@@ -4,7 +4,7 @@ success:
 - `frozen` (default): nothing is loaded (the "frozen policy" users hit when a weight sync silently fails);
 - `skip_layer`: every version's tensors of layer 1 are dropped before the model's loader (what a lost bucket holding
   that layer leaves, whatever the transport's bucket sizes), so the layer keeps the weights vLLM started with (the
-  engine's own accounting catches it: transport/weight_receiver.check_loaded);
+  engine's own accounting catches it: weights/receive/receiver.check_loaded);
 - `swap_layers`: layers 0 and 1 receive each other's weights;
 - `slow`: nothing is broken, every version is received `SLIPSTREAM_SABOTAGE_SLOW_S` seconds (default 3) late: a
   transfer stays in flight long enough for a test to kill vLLM in its middle;
@@ -19,7 +19,7 @@ import re
 import time
 from pathlib import Path
 
-from slipstream.inference.transfer_engine import SlipstreamWeightTransferEngine
+from slipstream.weights.receive.engine import SlipstreamWeightTransferEngine
 
 MODES = ("frozen", "skip_layer", "swap_layers", "slow", "none")
 SKIPPED = re.compile(r"\.layers\.1\.")

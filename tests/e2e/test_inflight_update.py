@@ -22,7 +22,7 @@ from slipstream.orchestrator.weights import WeightRelay
 from slipstream.rollout.record import cache_salt
 from slipstream.rollout.streaming import StreamedChat
 from slipstream.rundir import WEIGHT_CHECKS_FILE
-from slipstream.trainer.weights import build_probe_token_ids, publish_weights
+from slipstream.weights.send.folder import build_probe_token_ids, publish_weights
 from tests.e2e.helpers import free_port, running_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

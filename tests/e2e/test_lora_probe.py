@@ -16,7 +16,7 @@ import torch
 from slipstream.inference.admin_token import TOKEN_ENV
 from slipstream.orchestrator.client import InferenceClient
 from slipstream.rollout.client import InferenceUnavailable
-from slipstream.trainer.weights import build_probe_token_ids
+from slipstream.weights.send.folder import build_probe_token_ids
 from tests.e2e.helpers import free_port, running_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

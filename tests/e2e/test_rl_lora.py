@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slipstream.trainer.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_DIR
+from slipstream.weights.send.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MERGED_DIR
 from tests.e2e.helpers import MARKER_VAR, resume_config, shared_inference, write_config
 from tests.e2e.test_resume import _finish, _metrics, _rl, _victim_pid, _wait_gone
 from tests.e2e.test_rl_tiny import LOGPROB_TOLERANCE, MIN_CHANGE_PER_STEP, _read_jsonl

@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 
 from slipstream.config.tenants import TenantConfig, TenantServerConfig, tenant_trainer_config
 from slipstream.rundir import RunDir
-from slipstream.trainer.lora_export import ADAPTER_WEIGHTS
 from slipstream.trainer.rl import run_trainer
 from slipstream.transport.tenants import read_status
+from slipstream.weights.send.lora_export import ADAPTER_WEIGHTS
 from tests.e2e.helpers import free_port, processes_with_marker, tiny_rl_config, write_config
 from tests.e2e.test_rl_tiny import LOGPROB_TOLERANCE, _read_jsonl
 

@@ -66,7 +66,7 @@ def sabotage_server(tiny_qwen3_dir, tmp_path_factory):
 def test_a_broken_load_stops_the_run(sabotage, sabotage_server, tiny_qwen3_dir, tmp_path, run_env):
     """A load that does nothing, one that drops a layer, one that swaps two layers: each stops the run
     (tests/e2e/sabotage_ext.py). The dropped layer is caught by the engine (tensors received that never reached the
-    model: transport/weight_receiver.check_loaded) before any probe; the others by the calibrated check (the floor
+    model: weights/receive/receiver.check_loaded) before any probe; the others by the calibrated check (the floor
     measured before the first load)."""
     server, mode_file = sabotage_server
     marker, env = run_env

@@ -158,7 +158,7 @@ def test_three_node_script_runs_as_three_nodes_on_this_machine(slurm_cluster, ti
     assert "inference.log" not in {p.name for p in RunDir(out).logs_dir.iterdir()}
     # both trainer nodes' ranks trained every step: the orchestrator wrote one batch per rank
     assert (out / "config" / "orchestrator.toml").read_text().count("num_trainer_ranks = 2") == 1
-    # and both sent their own rows of every version to vLLM (trainer/piece_send.py), checked by the probe
+    # and both sent their own rows of every version to vLLM (weights/send/piece_send.py), checked by the probe
     assert json.loads((RunDir(out).weights_dir(3) / "manifest.json").read_text())["senders"] == 2
     _wait_gone(marker)
     print(f"three-node per-node scripts, 3 steps: {time.monotonic() - start:.0f}s")

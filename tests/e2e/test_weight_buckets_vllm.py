@@ -3,8 +3,9 @@ halved, its own, halved again, and its own in other buckets or after a parameter
 vLLM's layers:
 - vLLM's layer-wise reload keeps the tensors a layer's loaders were given until the layer is complete, while the
   receiver reuses a bucket's buffer for the bucket after next: the engine copies what vLLM still keeps
-  (transfer_engine.keep_deferred_loads). Without that the model's own weights came back wrong (log-probs off by 3.3).
-- The copy plan (transport/copy_plan.py): on the CPU build vLLM repacks linear weights for oneDNN through C++ the
+  (weights/receive/engine.keep_deferred_loads). Without that the model's own weights came back wrong (log-probs off by
+  3.3).
+- The copy plan (weights/receive/copy_plan.py): on the CPU build vLLM repacks linear weights for oneDNN through C++ the
   plan cannot watch, and the plan is refused; with the layers' weights kept as loaded (what the GPU build does), the
   first version is recorded and the next is replayed, bit for bit; a version in other buckets goes through
   vLLM's loaders again, and the one after it is replayed from the new plan."""
@@ -66,7 +67,7 @@ def test_layers_that_keep_their_weights_are_replayed_and_other_buckets_replanned
 def test_two_senders_pieces_are_replayed_straight_from_the_wire(tiny_qwen3_dir):
     """Two trainer ranks each send their own rows (uneven: a third and two thirds) on their own lane: the first version
     goes through vLLM's loaders (laid out whole), the second replays the copy plan straight from the buffers the
-    pieces arrived in (transport/copy_plan.py `replay_wire`): vLLM's fused q/k/v and gate/up parameters included,
+    pieces arrived in (weights/receive/copy_plan.py `replay_wire`): vLLM's fused q/k/v and gate/up parameters included,
     bit for bit. Then vLLM gives a parameter new memory: the third version finds the plan stale at its first bucket,
     goes through vLLM's loaders and records a new plan (replaying the old one would have written the old memory, and
     the log-probs would not be the halved weights'), and the fourth replays the new plan from the wire."""

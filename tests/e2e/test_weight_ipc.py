@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from slipstream.transport.shared_buffer import SHM_DIR
-from slipstream.transport.weight_offers import DELIVERED, OFFER
-from slipstream.transport.weights import READY, weights_dir
+from slipstream.weights.wire.offers import DELIVERED, OFFER
+from slipstream.weights.wire.published import READY, weights_dir
+from slipstream.weights.wire.shared_buffer import SHM_DIR
 from tests.e2e.helpers import processes_with_marker, tiny_rl_config, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -28,7 +28,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 def _watch_buffers(proc: subprocess.Popen, marker: str, timeout: float) -> set[Path]:
     """Polls until `proc` exits (killed after `timeout` s): the shared-memory buffers a process of this run (tagged
-    `marker`) created, named `slipstream-weights-<name>-<pid>` by transport/shared_buffer.py. Tests running beside
+    `marker`) created, named `slipstream-weights-<name>-<pid>` by weights/wire/shared_buffer.py. Tests running beside
     this one (pytest-xdist) may hold buffers of their own: those are not this run's."""
     ours: set[Path] = set()
     deadline = time.monotonic() + timeout

@@ -13,8 +13,8 @@ import time
 import psutil
 import pytest
 
-from slipstream.transport.weight_offers import ACCEPT, DELIVERED
-from slipstream.transport.weights import READY, weights_dir
+from slipstream.weights.wire.offers import ACCEPT, DELIVERED
+from slipstream.weights.wire.published import READY, weights_dir
 from tests.e2e.helpers import child_processes, free_port, processes_with_marker, tiny_rl_config, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

@@ -2,7 +2,7 @@
 worker) takes three versions of a model's weights by broadcast from a sender thread, through vLLM's weight-transfer
 API and Slipstream's engine, in buckets small enough that vLLM's layers straddle them: the model's weights halved,
 the model's own, halved again. Prints one JSON line: the prompt log-probs before and after each version, what
-the engine made of its copy plan (transport/copy_plan.py), and each version's seconds (start to finish).
+the engine made of its copy plan (weights/receive/copy_plan.py), and each version's seconds (start to finish).
 
 With `--unpacked`, vLLM's linear and embedding layers keep their weights as they were loaded (vLLM's own unpacked
 CPU path, `cpu_linear = F.linear`, which MLA's kv_b_proj takes) instead of repacking them for oneDNN: that is what
@@ -13,7 +13,7 @@ and the engine loads it through vLLM's loaders again (and records a new plan); a
 weights in those buckets, follows.
 
 With `--senders 2`, two sender threads (two FSDP ranks in small) each broadcast their own rows of every tensor on
-their own lane (transport/pieces.py), uneven splits included.
+their own lane (weights/wire/pieces.py), uneven splits included.
 
 With `--moved`, vLLM gives one parameter new memory before the third version (as a reload from disk or sleep mode
 may): the copy plan no longer fits, which the engine finds at that version's first bucket, before copying anything;
@@ -37,8 +37,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from slipstream.transport.collective import GroupInit, open_group, open_store  # noqa: E402
-from slipstream.transport.weight_stream import (  # noqa: E402
+from slipstream.weights.wire.collective import GroupInit, open_group, open_store  # noqa: E402
+from slipstream.weights.wire.stream import (  # noqa: E402
     Bucket,
     Manifest,
     TensorMeta,

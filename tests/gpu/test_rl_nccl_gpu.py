@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from slipstream.transport.weight_offers import read_manifest
-from slipstream.transport.weights import READY, weights_dir
+from slipstream.weights.wire.offers import read_manifest
+from slipstream.weights.wire.published import READY, weights_dir
 from tests.e2e.helpers import free_port, running_sim, write_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 CUDA GPUs")]
@@ -81,7 +81,7 @@ def _logs(out: Path, sim_log: Path) -> str:
 
 
 def _bucket_sizes(out: Path, step: int) -> list[dict]:
-    from slipstream.transport.weight_stream import Manifest
+    from slipstream.weights.wire.stream import Manifest
 
     manifest = Manifest.from_dict(read_manifest(out, step))
     return [{"nbytes": b.nbytes} for b in manifest.buckets]

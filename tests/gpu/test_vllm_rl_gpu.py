@@ -165,8 +165,8 @@ def test_a_multi_turn_tool_environment_trains(tiny_model_factory, tmp_path):
 def test_vllm_killed_mid_transfer_is_restarted_and_the_version_sent_again(qwen3_06b_shape, tmp_path):
     """NCCL does not notice a receiver that died inside a node: the trainer's pending broadcasts would wait for it until
     the group's timeout. The orchestrator restarts vLLM and accepts the version for the new session; the trainer sees
-    that, aborts the old group and sends the version again (trainer/send_watch.py). Each version reaches vLLM's engine
-    3 s late (sabotage `slow`), so the test can catch a transfer in flight."""
+    that, aborts the old group and sends the version again (weights/send/send_watch.py). Each version reaches vLLM's
+    engine 3 s late (sabotage `slow`), so the test can catch a transfer in flight."""
     out = tmp_path / "run"
     config = _config(qwen3_06b_shape, out, KILL_STEPS)
     config["trainer"]["optim"]["lr"] = 3e-6

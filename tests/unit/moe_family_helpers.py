@@ -281,13 +281,13 @@ class MoEFamilyChecks:
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     def test_published_weights_equal_save_pretrained(self, model_dir, tmp_path, dtype):
-        """The trainer's weight stream (trainer/weight_export.py, names from to_hf on meta tensors) writes what
+        """The trainer's weight stream (weights/send/export.py, names from to_hf on meta tensors) writes what
         transformers' save_pretrained writes for the same weights: names, shapes and values (cast to the published
         dtype, except e_score_correction_bias, which transformers keeps in float32 and so do we: a rounded selection
         bias would route differently in inference)."""
         from safetensors.torch import load_file
 
-        from slipstream.trainer.weights import publish_weights
+        from slipstream.weights.send.folder import publish_weights
 
         path = model_dir("tiny")
         ours = load_pretrained(path, impl="custom")

@@ -22,8 +22,8 @@ from slipstream.orchestrator.weights import WeightRelay
 from slipstream.rollout.record import Rollout
 from slipstream.rundir import WEIGHT_CHECKS_FILE
 from slipstream.transport.rollouts import batch_path, read_batch
-from slipstream.transport.weights import PROBE, READY, weights_dir
 from slipstream.utils.fs import commit_dir
+from slipstream.weights.wire.published import PROBE, READY, weights_dir
 from slipstream_sim import SimConfig, SimServer, serve_in_thread, sim_logprob
 from slipstream_sim.policy import plan_completion, request_seed, tokenize_messages
 

@@ -24,7 +24,7 @@ from slipstream.transport.checkpoints import (
     retained_steps,
     step_dir,
 )
-from slipstream.transport.weights import READY, weights_dir
+from slipstream.weights.wire.published import READY, weights_dir
 
 
 def _part(root, step, part):

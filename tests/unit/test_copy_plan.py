@@ -1,5 +1,5 @@
-"""Weight loads replayed as fused copies (transport/copy_plan.py): a loader that only copies received bytes into the
-model (whole, fused q/k/v slices, stacked experts, through temporaries that are copied on, transposed, with constant
+"""Weight loads replayed as fused copies (weights/receive/copy_plan.py): a loader that only copies received bytes into
+the model (whole, fused q/k/v slices, stacked experts, through temporaries that are copied on, transposed, with constant
 padding) is recorded once and replayed bit for bit on new data; anything else is refused and the loader keeps every
 version."""
 
@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 
-from slipstream.transport.copy_plan import LoadRecorder, PlanMismatch, PlannedLoads, PlanRefused
+from slipstream.weights.receive.copy_plan import LoadRecorder, PlanMismatch, PlannedLoads, PlanRefused
 
 VOCAB, PADDED, H, E, W = 7, 10, 8, 2, 3
 

@@ -1,7 +1,8 @@
-"""Copy-plan replays that read several senders' pieces straight from the buffer they arrived in (transport/copy_plan.py
-`replay_wire`, transport/pieces.py `PieceLayout.runs`): every view a loader copies from is split where the senders'
-rows meet and read on the wire, leaving the bytes a replay from the whole layout leaves; a view that cannot be split
-(an index holding rows of two senders) is refused, and that bucket is laid out and replayed as before."""
+"""Copy-plan replays that read several senders' pieces straight from the buffer they arrived in
+(weights/receive/copy_plan.py `replay_wire`, weights/wire/pieces.py `PieceLayout.runs`): every view a loader copies from
+is split where the senders' rows meet and read on the wire, leaving the bytes a replay from the whole layout leaves; a
+view that cannot be split (an index holding rows of two senders) is refused, and that bucket is laid out and replayed as
+before."""
 
 import math
 
@@ -10,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slipstream.transport.copy_plan import PlanMismatch, PlannedLoads
-from slipstream.transport.pieces import piece_layout
+from slipstream.weights.receive.copy_plan import PlanMismatch, PlannedLoads
+from slipstream.weights.wire.pieces import piece_layout
 from tests.unit.test_copy_plan import (
     DEVICES,
     LOADERS,

@@ -21,7 +21,7 @@ from slipstream.eval.tasks import request_seed
 from slipstream.launch.plan import ProcessSpec
 from slipstream.launch.supervisor import Supervisor
 from slipstream.orchestrator.client import InferenceClient
-from slipstream.transport.weights import READY, weights_dir
+from slipstream.weights.wire.published import READY, weights_dir
 from slipstream_sim import SimConfig, SimServer, serve_in_thread
 
 

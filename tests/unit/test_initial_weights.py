@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from slipstream.orchestrator.client import InferenceClient
 from slipstream.orchestrator.weights import WeightRelay
-from slipstream.transport.weight_receiver import WeightReceiver
+from slipstream.weights.receive.receiver import WeightReceiver
 from slipstream_sim import SimConfig, SimServer, serve_in_thread
 from tests.unit.test_async_pipeline import MODEL, config_for, publish
 
@@ -93,8 +93,8 @@ def test_a_weight_update_left_unfinished_is_closed_before_the_next(monkeypatch):
     the next run's first update on that server closes it first, which gives those layers their tensors back."""
     import vllm.model_executor.model_loader.reload as reload
 
-    from slipstream.inference.transfer_engine import SlipstreamWeightTransferEngine
-    from slipstream.transport.copy_plan import PlannedLoads
+    from slipstream.weights.receive.copy_plan import PlannedLoads
+    from slipstream.weights.receive.engine import SlipstreamWeightTransferEngine
 
     calls = []
     monkeypatch.setattr(reload, "finalize_layerwise_reload", lambda model, config: calls.append(("finalize", config)))

@@ -1,5 +1,5 @@
-"""LoRA on our models (models/common/lora.py, trainer/lora_export.py), CPU float32: a zero B is the base model bit for
-bit, only adapters get gradients, the merged weights are W + (alpha / rank) B A, and the PEFT export loads in `peft`
+"""LoRA on our models (models/common/lora.py, weights/send/lora_export.py), CPU float32: a zero B is the base model bit
+for bit, only adapters get gradients, the merged weights are W + (alpha / rank) B A, and the PEFT export loads in `peft`
 on transformers' model with the same logits (dense and MoE families)."""
 
 import json
@@ -18,7 +18,7 @@ from slipstream.models.common.lora import (
     merged_state_dict,
 )
 from slipstream.models.registry import load_pretrained
-from slipstream.trainer.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, export_peft_adapter
+from slipstream.weights.send.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, export_peft_adapter
 
 FAMILIES = ["llama", "qwen3", "qwen3_moe", "glm4_moe", "minimax_m2", "afmoe", "laguna"]
 LORA = LoRAConfig(rank=4, alpha=8.0)
@@ -203,11 +203,11 @@ def test_adapters_compile_whole_under_activation_checkpointing(tiny_model_factor
 
 def test_transformers_model_takes_the_same_adapters(tiny_model_factory, tmp_path):
     """model_impl "hf": the adapters go on transformers' linear layers; the PEFT export and the merged publish
-    (trainer/weights.py) reproduce the adapted model's logits."""
+    (weights/send/folder.py) reproduce the adapted model's logits."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slipstream.trainer.weights import publish_weights
+    from slipstream.weights.send.folder import publish_weights
 
     model_dir = tiny_model_factory("qwen3")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

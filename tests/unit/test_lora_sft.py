@@ -14,8 +14,8 @@ from slipstream.config.sft import SFTConfig
 from slipstream.monitor.metrics import read_metrics
 from slipstream.rundir import RunDir
 from slipstream.trainer.ckpt import checkpoint_dir
-from slipstream.trainer.lora_export import ADAPTER_DIR, ADAPTER_WEIGHTS, PEFT_PREFIX
 from slipstream.trainer.sft import run_sft
+from slipstream.weights.send.lora_export import ADAPTER_DIR, ADAPTER_WEIGHTS, PEFT_PREFIX
 from tests.unit.test_sft_loop import _write_data
 
 LORA = {"rank": 8, "alpha": 16.0}

@@ -14,7 +14,6 @@ from slipstream.config.tenants import TenantConfig, TenantTrainerConfig, tenant_
 from slipstream.config.trainer import OptimConfig
 from slipstream.monitor.metrics import read_metrics
 from slipstream.rundir import COMMITTED, ORCHESTRATOR_PART, RunDir
-from slipstream.trainer.lora_export import ADAPTER_WEIGHTS
 from slipstream.trainer.rl import run_trainer
 from slipstream.trainer.setup import setup_trainer
 from slipstream.trainer.tenant_loop import Tenants, shared_trainer_config
@@ -22,6 +21,7 @@ from slipstream.trainer.tenants import active_params, build_tenant, train_tenant
 from slipstream.transport.rollouts import MicroBatch, TrainingBatch, batch_path, write_batch
 from slipstream.transport.tenants import join_tenant, leave_tenant, read_status, tenant_config_path
 from slipstream.utils.fs import atomic_write_text
+from slipstream.weights.send.lora_export import ADAPTER_WEIGHTS
 
 LORA = LoRAConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
 

@@ -12,7 +12,7 @@ from slipstream.config.trainer import OptimConfig, TrainerConfig
 from slipstream.monitor.metrics import read_metrics
 from slipstream.trainer.rl import run_trainer
 from slipstream.trainer.schedule import lr_at
-from slipstream.transport.weights import weights_dir
+from slipstream.weights.wire.published import weights_dir
 from tests.unit.test_trainer_loop import _write_batches
 
 

@@ -23,8 +23,8 @@ from slipstream.orchestrator.loop import run_orchestrator
 from slipstream.orchestrator.weights import WeightSyncError
 from slipstream.rundir import WEIGHT_CHECKS_FILE, RunDir, step_dirs
 from slipstream.transport.rollouts import batch_path, read_batch
-from slipstream.transport.weights import PROBE, READY, weights_dir
 from slipstream.utils.fs import commit_dir
+from slipstream.weights.wire.published import PROBE, READY, weights_dir
 
 MODEL = "fake-model"
 PROBE_TOKENS = [5, 17, 42, 99, 3, 250]

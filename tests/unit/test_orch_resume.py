@@ -20,7 +20,7 @@ from slipstream.transport.checkpoints import (
     prepare_resume,
 )
 from slipstream.transport.rollouts import batch_path, read_batch
-from slipstream.transport.weights import weights_dir
+from slipstream.weights.wire.published import weights_dir
 from tests.unit.test_orch_loop import FakeVLLM, ServerThread, make_config, publish_weights
 from tests.unit.test_orch_multiturn import FakeChatModel, TalkEnv, run_env, talk_script
 

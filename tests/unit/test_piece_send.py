@@ -1,4 +1,4 @@
-"""One trainer rank's piece sender (trainer/piece_send.py) in one process: it sends exactly the bytes of the gather
+"""One trainer rank's piece sender (weights/send/piece_send.py) in one process: it sends exactly the bytes of the gather
 path's bucket assembly; a parameter whose rows changed after the sender was planned fails with a message instead of
 sending misplaced bytes; models it cannot send piece by piece are named as such."""
 
@@ -10,10 +10,10 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from slipstream.models.registry import build_model
-from slipstream.trainer.piece_send import NotDirect, PieceSender
-from slipstream.trainer.weight_export import HFWeightStream
-from slipstream.transport.bucket_assembly import stream_to
-from slipstream.transport.weight_stream import Manifest, plan_buckets
+from slipstream.weights.send.export import HFWeightStream
+from slipstream.weights.send.piece_send import NotDirect, PieceSender
+from slipstream.weights.wire.bucket_assembly import stream_to
+from slipstream.weights.wire.stream import Manifest, plan_buckets
 from tests.distributed.helpers import CollectBuckets
 
 

@@ -35,12 +35,12 @@ from slipstream.rundir import RunDir
 from slipstream.trainer.ckpt import read_progress
 from slipstream.trainer.data import MicroBatchError, to_packed
 from slipstream.transport.checkpoints import truncate_step_log
-from slipstream.transport.collective import GroupInit
 from slipstream.transport.rollouts import BatchFormatError, MicroBatch, Routing, read_batch
-from slipstream.transport.weight_offers import ACCEPT, MANIFEST, OFFER, read_accept, read_manifest, read_offer
-from slipstream.transport.weight_receiver import WeightReceiver
-from slipstream.transport.weight_stream import Manifest, TensorMeta, plan_buckets
-from slipstream.transport.weights import read_probe, weights_dir
+from slipstream.weights.receive.receiver import WeightReceiver
+from slipstream.weights.wire.collective import GroupInit
+from slipstream.weights.wire.offers import ACCEPT, MANIFEST, OFFER, read_accept, read_manifest, read_offer
+from slipstream.weights.wire.published import read_probe, weights_dir
+from slipstream.weights.wire.stream import Manifest, TensorMeta, plan_buckets
 from slipstream_sim import SimConfig, SimServer
 
 # derandomize: CI runs the same examples every time (a failure reproduces); new inputs come from changing the tests

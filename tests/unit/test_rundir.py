@@ -32,7 +32,7 @@ from slipstream.rundir import (
     weights_to_keep,
 )
 from slipstream.transport.checkpoints import committed_run_steps, is_checkpoint_step, resume_weight_steps
-from slipstream.transport.weights import is_ready, weights_dir
+from slipstream.weights.wire.published import is_ready, weights_dir
 
 
 def test_layout_is_the_documented_one(tmp_path):

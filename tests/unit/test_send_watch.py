@@ -1,11 +1,11 @@
-"""trainer/send_watch.py: the trainer waits for its broadcasts to complete, and aborts them when the orchestrator
+"""weights/send/send_watch.py: the trainer waits for its broadcasts to complete, and aborts them when the orchestrator
 takes the version in another session (a restarted inference server) or when they never complete."""
 
 import time
 
-from slipstream.trainer.send_watch import SendWatch, SessionSuperseded
-from slipstream.transport.weight_offers import Accept, write_accept
-from slipstream.transport.weights import weights_dir
+from slipstream.weights.send.send_watch import SendWatch, SessionSuperseded
+from slipstream.weights.wire.offers import Accept, write_accept
+from slipstream.weights.wire.published import weights_dir
 
 
 def _accepted(tmp_path, session: str):

@@ -1,6 +1,6 @@
-"""The ipc weight transport's buffer (transport/shared_buffer.py), CPU twin: the trainer lays buckets of several dtypes
-out in a shared-memory file, another process maps it from the handle alone, and the receiver hands the model's loader
-tensors equal to the trainer's, byte for byte."""
+"""The ipc weight transport's buffer (weights/wire/shared_buffer.py), CPU twin: the trainer lays buckets of several
+dtypes out in a shared-memory file, another process maps it from the handle alone, and the receiver hands the model's
+loader tensors equal to the trainer's, byte for byte."""
 
 import json
 import subprocess
@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from slipstream.transport.shared_buffer import ALIGN, SharedBuffer, SharedSink, bucket_offsets, open_shared
-from slipstream.transport.weight_receiver import WeightReceiver
-from slipstream.transport.weight_stream import Manifest, TensorMeta, plan_buckets
+from slipstream.weights.receive.receiver import WeightReceiver
+from slipstream.weights.wire.shared_buffer import ALIGN, SharedBuffer, SharedSink, bucket_offsets, open_shared
+from slipstream.weights.wire.stream import Manifest, TensorMeta, plan_buckets
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -64,7 +64,7 @@ def test_another_process_maps_the_buffer_from_its_handle():
     handle = json.dumps(buffer.handle())  # what travels in update_info
     code = (
         "import json, sys, torch\n"
-        "from slipstream.transport.shared_buffer import open_shared\n"
+        "from slipstream.weights.wire.shared_buffer import open_shared\n"
         "flat = open_shared(json.loads(sys.argv[1]), torch.device('cpu'))\n"
         "print(int(flat.to(torch.int64).sum()), flat.numel())\n"
     )

@@ -11,9 +11,9 @@ from slipstream.trainer.data import to_packed
 from slipstream.trainer.logprobs import compute_logprobs
 from slipstream.trainer.policy import Policy
 from slipstream.trainer.step import train_step
-from slipstream.trainer.weights import publish_weights
 from slipstream.transport.rollouts import MicroBatch, TrainingBatch
-from slipstream.transport.weights import read_probe, weights_dir
+from slipstream.weights.send.folder import publish_weights
+from slipstream.weights.wire.published import read_probe, weights_dir
 
 CPU = torch.device("cpu")
 FAMILIES = ["llama", "qwen3", "qwen3_moe", "glm4_moe", "minimax_m2", "glm_moe_dsa", "qwen3_5_moe_text", "afmoe",

@@ -15,10 +15,10 @@ from slipstream.trainer.data import to_packed
 from slipstream.trainer.logprobs import compute_logprobs
 from slipstream.trainer.rl import run_trainer, setup_trainer
 from slipstream.trainer.step import train_step
-from slipstream.trainer.weights import publish_weights
 from slipstream.transport.rollouts import MicroBatch, TrainingBatch, wait_for_batch, write_batch
-from slipstream.transport.weights import READY, read_probe, weights_dir
 from slipstream.utils.net import free_port
+from slipstream.weights.send.folder import publish_weights
+from slipstream.weights.wire.published import READY, read_probe, weights_dir
 
 CPU = torch.device("cpu")
 

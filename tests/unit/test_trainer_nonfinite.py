@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from slipstream.config.trainer import TrainerConfig
 from slipstream.trainer.rl import run_trainer
 from slipstream.transport.rollouts import MicroBatch, TrainingBatch, write_batch
-from slipstream.transport.weights import weights_dir
+from slipstream.weights.wire.published import weights_dir
 
 HUGE = 3e38
 """A float32 advantage whose gradients' squared norm overflows to inf."""

@@ -132,7 +132,7 @@ def test_published_tensors_have_the_checkpoints_layout(family, vlm_dir, tmp_path
 
 
 def _publish(model, vlm_dir, tmp_path):
-    from slipstream.trainer.weights import publish_weights
+    from slipstream.weights.send.folder import publish_weights
 
     tokenizer = AutoTokenizer.from_pretrained(vlm_dir)
     return publish_weights(model, tokenizer, tmp_path / "run", 1, [5, 6, 7], torch.bfloat16, vlm_dir)

@@ -14,9 +14,9 @@ from slipstream.transport.rollouts import (
     wait_for_batch,
     write_batch,
 )
-from slipstream.transport.weight_offers import wait_for_available
-from slipstream.transport.weights import is_ready, latest_ready_step, weights_dir
 from slipstream.utils.fs import commit_dir
+from slipstream.weights.wire.offers import wait_for_available
+from slipstream.weights.wire.published import is_ready, latest_ready_step, weights_dir
 
 
 def _batch(step=1, rank=0):

@@ -35,8 +35,8 @@ def test_the_engine_is_created_through_the_installed_vllms_factory():
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from slipstream.inference.transfer_engine import SlipstreamWeightTransferEngine
     from slipstream.inference.vllm_plugin import ENGINE_BACKEND, register
+    from slipstream.weights.receive.engine import SlipstreamWeightTransferEngine
 
     register()
     missing = sorted(SlipstreamWeightTransferEngine.__abstractmethods__)
@@ -64,7 +64,7 @@ def test_the_installed_vllms_source_has_the_api_the_engine_needs():
     and the engine implements every method that check allows a release to declare abstract."""
     import vllm
 
-    from slipstream.inference.transfer_engine import SlipstreamWeightTransferEngine
+    from slipstream.weights.receive.engine import SlipstreamWeightTransferEngine
     from tests.vllm_api_surface import ENGINE_METHODS, problems
 
     assert problems(Path(vllm.__file__).parents[1]) == []
@@ -117,10 +117,10 @@ def test_slipstream_inference_refuses_an_unsupported_vllm_before_starting_it(mon
 
 def test_trainer_send_weights_reaches_the_engines_receiver(tmp_path):
     """vLLM 0.26's trainer-side hook, over gloo: what it sends is what the engine's receiver loads, bit for bit."""
-    from slipstream.inference.transfer_engine import SlipstreamWeightTransferEngine
-    from slipstream.transport.collective import GroupInit, close_group, open_group, open_store
-    from slipstream.transport.weight_receiver import WeightReceiver
-    from slipstream.transport.weight_stream import Manifest, TensorMeta, plan_buckets
+    from slipstream.weights.receive.engine import SlipstreamWeightTransferEngine
+    from slipstream.weights.receive.receiver import WeightReceiver
+    from slipstream.weights.wire.collective import GroupInit, close_group, open_group, open_store
+    from slipstream.weights.wire.stream import Manifest, TensorMeta, plan_buckets
     from tests.e2e.helpers import free_port
 
     torch.manual_seed(0)

@@ -71,7 +71,7 @@ def test_prompt_scoring_and_a_weight_update_from_a_published_folder(vlm_dir, tmp
     from transformers import AutoTokenizer
 
     from slipstream.trainer.policy import load_model
-    from slipstream.trainer.weights import publish_weights
+    from slipstream.weights.send.folder import publish_weights
 
     engine = VLMEngine(vlm_dir)  # its own: the update changes the weights
     client = TestClient(VLMServer(engine).app)

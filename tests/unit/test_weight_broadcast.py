@@ -12,17 +12,17 @@ from safetensors.torch import load_file
 from slipstream.config.shared import ModelConfig
 from slipstream.config.trainer import TrainerConfig
 from slipstream.config.weights import WeightsConfig
-from slipstream.trainer.publish import WeightPublisher
 from slipstream.trainer.setup import setup_trainer, teardown_trainer
-from slipstream.trainer.weights import publish_weights
-from slipstream.transport.weight_offers import (
+from slipstream.weights.send.folder import publish_weights
+from slipstream.weights.send.publish import WeightPublisher
+from slipstream.weights.wire.offers import (
     DELIVERED,
     Accept,
     is_offered,
     read_manifest,
     write_accept,
 )
-from slipstream.transport.weights import READY, read_probe, weights_dir
+from slipstream.weights.wire.published import READY, read_probe, weights_dir
 from tests.e2e.helpers import free_port
 from tests.unit.weight_receiver_proc import start_receiver, wait_for
 

@@ -1,5 +1,5 @@
 """A version received but not loaded whole (a bucket dropped before the model's loader) is refused by the engine
-(transport/weight_receiver.check_loaded), and the orchestrator takes vLLM's HTTP 500 for that refusal, not for a lost
+(weights/receive/receiver.check_loaded), and the orchestrator takes vLLM's HTTP 500 for that refusal, not for a lost
 server: the run stops with the reason instead of waiting for a restart."""
 
 import asyncio
@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from slipstream.orchestrator.client import InferenceClient, WeightUpdateIncomplete
-from slipstream.transport.weight_receiver import ReceiveStats, check_loaded
+from slipstream.weights.receive.receiver import ReceiveStats, check_loaded
 
 NAMES = frozenset(f"model.layers.{i}.mlp.up_proj.weight" for i in range(8))
 

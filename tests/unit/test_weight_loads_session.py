@@ -9,8 +9,8 @@ import pytest
 
 from slipstream.config.weights import WeightsConfig
 from slipstream.orchestrator.weight_loads import WeightLoader
-from slipstream.transport.weight_offers import OFFER, read_offer
-from slipstream.transport.weights import weights_dir
+from slipstream.weights.wire.offers import OFFER, read_offer
+from slipstream.weights.wire.published import weights_dir
 
 
 class _Client:

@@ -1,4 +1,4 @@
-"""A bucket sent by several trainer ranks, each its own rows (transport/pieces.py): the layout on the wire, the copy
+"""A bucket sent by several trainer ranks, each its own rows (weights/wire/pieces.py): the layout on the wire, the copy
 that lays the tensors out whole, and the manifest's rows table (JSON round trip and every malformed table refused)."""
 
 import math
@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from slipstream.transport.pieces import piece_layout
-from slipstream.transport.weight_stream import Bucket, Manifest, TensorMeta, unpack
+from slipstream.weights.wire.pieces import piece_layout
+from slipstream.weights.wire.stream import Bucket, Manifest, TensorMeta, unpack
 
 SHAPES = [(5, 3), (3,), (), (4, 2, 2), (0, 7)]
 ROWS = ((3, 2), (0, 3), (1, 0), (2, 2), (0, 0))

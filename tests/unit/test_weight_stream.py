@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from slipstream.transport.bucket_assembly import BucketAssembler, BucketBuffers, Run, stream_to
-from slipstream.transport.weight_stream import Manifest, TensorMeta, plan_buckets, plan_pipelined, unpack
+from slipstream.weights.wire.bucket_assembly import BucketAssembler, BucketBuffers, Run, stream_to
+from slipstream.weights.wire.stream import Manifest, TensorMeta, plan_buckets, plan_pipelined, unpack
 
 
 def _meta(name: str, dtype: str, *shape: int) -> TensorMeta:
@@ -196,7 +196,7 @@ def test_each_dtype_has_its_own_ring_of_slots():
 def test_unpack_gives_shaped_views_of_the_buffer_and_refuses_a_wrong_size():
     """A bucket's tensors are views of its flat bytes, in plan order and shape (zero-size tensors included); a buffer
     of another size than the plan says is refused."""
-    from slipstream.transport.weight_stream import Bucket
+    from slipstream.weights.wire.stream import Bucket
 
     tensors = {"w": torch.randn(3, 4), "empty": torch.empty(0, 5), "b": torch.randn(7), "s": torch.randn(())}
     bucket = Bucket("float32", tuple(TensorMeta.of(n, t) for n, t in tensors.items()))

@@ -1,5 +1,5 @@
 """A receiving worker for tests, in its own process: joins the trainer's group of a session and receives one version
-by broadcast with transport.weight_receiver (the code of Slipstream's vLLM engine), then saves what it got.
+by broadcast with weights.receive.receiver (the code of Slipstream's vLLM engine), then saves what it got.
 `--die-after K` exits abruptly after K buckets, like an inference server killed mid-transfer.
 
 python -m tests.unit.weight_receiver_proc RUN_DIR STEP SESSION WORLD_SIZE PORT OUT [--die-after K] [--rank-offset N]
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from slipstream.transport.collective import GroupInit
-from slipstream.transport.weight_offers import read_manifest
-from slipstream.transport.weight_receiver import WeightReceiver
+from slipstream.weights.receive.receiver import WeightReceiver
+from slipstream.weights.wire.collective import GroupInit
+from slipstream.weights.wire.offers import read_manifest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

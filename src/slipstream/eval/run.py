@@ -94,7 +94,7 @@ async def _evaluate_at(config: EvalConfig, env: AnyEnvironment, url: str) -> Eva
 def resolve_eval_model(config: EvalConfig) -> Path:
     """The folder to serve: the run's `weights/step_<step>` (step >= 1), else `model.name` resolved."""
     from slipstream.models.resolve import resolve_model_config
-    from slipstream.transport.weights import READY, latest_ready_step
+    from slipstream.weights.wire.published import READY, latest_ready_step
 
     if config.run_dir is None or config.step is None:
         return resolve_model_config(config.model)

@@ -20,7 +20,7 @@ def register() -> None:
 
     if ENGINE_BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
-            ENGINE_BACKEND, "slipstream.inference.transfer_engine", "SlipstreamWeightTransferEngine"
+            ENGINE_BACKEND, "slipstream.weights.receive.engine", "SlipstreamWeightTransferEngine"
         )
 
 

@@ -23,8 +23,8 @@ from slipstream.launch.supervisor import ChildFailed, StopRequested, Supervisor,
 from slipstream.launch.trainer_nodes import launch_id, publish_launch, run_secondary_trainer
 from slipstream.rundir import RunDir, RunLock, RunLockedError, launcher_env, wait_no_run_processes
 from slipstream.transport.checkpoints import committed_run_steps, prepare_resume, prune_checkpoints, resolve_run_step
-from slipstream.transport.weights import is_ready
 from slipstream.utils.net import free_port
+from slipstream.weights.wire.published import is_ready
 
 EARLIER_RUN_EXIT_S = 3.0
 """How long a new launcher waits for the processes of a just-killed run of its directory to end themselves (their

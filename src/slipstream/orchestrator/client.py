@@ -3,7 +3,7 @@ weight-transfer API, sent to every engine behind a router. Generation requests a
 are rollout/client.py's GenerationClient, which InferenceClient extends.
 
 Weight updates need the server started with VLLM_SERVER_DEV_MODE=1 (`/pause`, the weight-transfer routes, ...)
-and `--weight-transfer-config '{"backend": "slipstream"}'` (inference/transfer_engine.py).
+and `--weight-transfer-config '{"backend": "slipstream"}'` (weights/receive/engine.py).
 """
 
 import asyncio
@@ -23,7 +23,7 @@ from slipstream.rollout.client import (
     InferenceUnavailable,
     json_reply,
 )
-from slipstream.transport.weights import INCOMPLETE_MARKER
+from slipstream.weights.wire.published import INCOMPLETE_MARKER
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ _WEIGHT_UPDATE_OPEN = "weight update is already active"
 
 class WeightUpdateIncomplete(InferenceError):
     """/update_weights refused: the engine received the version but some of its tensors never reached the model
-    (transport/weight_receiver.check_loaded); vLLM answers HTTP 500 with the engine's message. Not a lost server."""
+    (weights/receive/receiver.check_loaded); vLLM answers HTTP 500 with the engine's message. Not a lost server."""
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from slipstream.orchestrator.weights import WeightRelay
 from slipstream.rollout.record import Rollout
 from slipstream.rundir import RunDir, step_dirs
 from slipstream.transport.checkpoints import is_checkpoint_step, resolve_run_step
-from slipstream.transport.weights import is_ready
 from slipstream.utils.loop_lag import LoopLag
+from slipstream.weights.wire.published import is_ready
 
 log = logging.getLogger(__name__)
 

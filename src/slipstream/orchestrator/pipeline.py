@@ -38,7 +38,7 @@ from slipstream.orchestrator.state import OrchestratorState
 from slipstream.orchestrator.weights import WeightRelay
 from slipstream.rollout.client import InferenceError, InferenceUnavailable
 from slipstream.rollout.record import Rollout
-from slipstream.transport.weights import weights_dir
+from slipstream.weights.wire.published import weights_dir
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from slipstream.config.orchestrator import WeightCheckConfig
 from slipstream.orchestrator.client import InferenceClient
 from slipstream.rollout.record import cache_salt
 from slipstream.rundir import RunDir
-from slipstream.transport.weights import read_probe
 from slipstream.utils.fs import append_line
+from slipstream.weights.wire.published import read_probe
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """How the orchestrator has inference take one weight version, through vLLM's weight-transfer API: from its folder
-on disk, by broadcast from the trainer (the trainer offered it and waits; see transport/weight_offers.py), or from
+on disk, by broadcast from the trainer (the trainer offered it and waits; see weights/wire/offers.py), or from
 the trainer's shared memory (the ipc transport: the offer names the buffer; DELIVERED, written here once inference
 copied it, frees the buffer for the next version).
 
@@ -18,7 +18,8 @@ from typing import Any
 
 from slipstream.config.weights import WeightsConfig
 from slipstream.orchestrator.client import InferenceClient, WeightLoad
-from slipstream.transport.weight_offers import (
+from slipstream.utils.fs import fsync_dir
+from slipstream.weights.wire.offers import (
     Accept,
     is_delivered,
     is_offered,
@@ -27,8 +28,7 @@ from slipstream.transport.weight_offers import (
     read_offer,
     write_accept,
 )
-from slipstream.transport.weights import is_ready, weights_dir
-from slipstream.utils.fs import fsync_dir
+from slipstream.weights.wire.published import is_ready, weights_dir
 
 SERVING_DIR = "serving"
 """`<output_dir>/serving/<adapter name>`: a symbolic link to the adapter version inference serves (LoRA runs)."""

@@ -28,8 +28,8 @@ from slipstream.orchestrator.weight_loads import WeightLoader
 from slipstream.rollout.client import InferenceUnavailable
 from slipstream.rundir import RunDir, prune_weights, step_dirs, weights_to_keep
 from slipstream.transport.checkpoints import committed_run_steps, resume_weight_steps
-from slipstream.transport.weight_offers import latest_available_step, wait_for_available
-from slipstream.transport.weights import is_ready
+from slipstream.weights.wire.offers import latest_available_step, wait_for_available
+from slipstream.weights.wire.published import is_ready
 
 log = logging.getLogger(__name__)
 

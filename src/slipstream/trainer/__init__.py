@@ -1,1 +1,1 @@
-"""Trainer process: consumes the orchestrator's batches, steps the optimizer, publishes weights."""
+"""Trainer process: consumes the orchestrator's batches, steps the optimizer, publishes weights (slipstream.weights)."""

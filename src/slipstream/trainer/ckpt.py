@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from slipstream.parallel.dist import RankInfo, barrier
 from slipstream.rundir import COMMITTED, TRAINER_PART, RunDir, step_dirs
 from slipstream.transport.checkpoints import committed_run_steps
-from slipstream.transport.weights import read_marker
 from slipstream.utils.fs import atomic_write_text, commit_dir
+from slipstream.weights.wire.published import read_marker
 
 log = logging.getLogger(__name__)
 

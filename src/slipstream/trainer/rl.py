@@ -11,7 +11,6 @@ from slipstream.monitor.sinks import Monitors
 from slipstream.parallel.dist import barrier
 from slipstream.trainer.ckpt import committed_steps, save_checkpoint
 from slipstream.trainer.data import validate_batch
-from slipstream.trainer.publish import WeightPublisher
 from slipstream.trainer.schedule import apply_lr
 from slipstream.trainer.setup import Trainer, setup_trainer, teardown_trainer
 from slipstream.trainer.step import train_step
@@ -24,6 +23,7 @@ from slipstream.transport.checkpoints import (
     prune_checkpoints,
 )
 from slipstream.transport.rollouts import wait_for_batch
+from slipstream.weights.send.publish import WeightPublisher
 
 __all__ = ["run_trainer", "setup_trainer"]
 

@@ -24,7 +24,7 @@ from slipstream.rundir import RunDir
 from slipstream.trainer.ckpt import CheckpointMeta, load_checkpoint, resolve_resume_step
 from slipstream.trainer.optim import AdamWBf16Moments
 from slipstream.trainer.policy import Policy, load_model
-from slipstream.trainer.weights import build_probe_token_ids
+from slipstream.weights.send.folder import build_probe_token_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

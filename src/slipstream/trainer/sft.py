@@ -3,7 +3,7 @@ the data position; at the end publish the model as a Hugging Face folder `weight
 the merged model, plus the adapter in PEFT format in its `adapter/` folder).
 
 Model loading, parallelism (FSDP/EP/CP/AC/compile), AdamW, checkpoints and the weight export are the RL trainer's
-(setup_trainer, trainer/ckpt.py, trainer/publish.py), driven by `SFTConfig.trainer_config()`.
+(setup_trainer, trainer/ckpt.py, weights/send/publish.py), driven by `SFTConfig.trainer_config()`.
 """
 
 import logging
@@ -17,8 +17,6 @@ from slipstream.monitor.metrics import MetricsWriter, format_progress
 from slipstream.parallel.dist import barrier
 from slipstream.rundir import RunDir
 from slipstream.trainer.ckpt import committed_steps
-from slipstream.trainer.lora_export import ADAPTER_DIR, export_peft_adapter
-from slipstream.trainer.publish import WeightPublisher
 from slipstream.trainer.rl import NonFiniteGuard, maybe_checkpoint
 from slipstream.trainer.schedule import apply_lr
 from slipstream.trainer.setup import Trainer, setup_trainer, teardown_trainer
@@ -26,6 +24,8 @@ from slipstream.trainer.sft_data import CURSOR_FILE, DataCursor, next_batch, ran
 from slipstream.trainer.sft_render import SFTSample, load_samples
 from slipstream.trainer.sft_step import sft_step, validation_loss
 from slipstream.transport.checkpoints import is_checkpoint_step, truncate_step_log
+from slipstream.weights.send.lora_export import ADAPTER_DIR, export_peft_adapter
+from slipstream.weights.send.publish import WeightPublisher
 
 log = logging.getLogger(__name__)
 

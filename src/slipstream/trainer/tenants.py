@@ -21,12 +21,12 @@ from slipstream.models.common.lora import init_adapters, is_lora_name
 from slipstream.monitor.metrics import MetricsWriter, merge_metrics
 from slipstream.rundir import RunDir
 from slipstream.trainer.ckpt import load_checkpoint, resolve_resume_step
-from slipstream.trainer.publish import WeightPublisher
 from slipstream.trainer.rl import NonFiniteGuard, maybe_checkpoint
 from slipstream.trainer.schedule import apply_lr
 from slipstream.trainer.setup import Trainer, build_optimizer
 from slipstream.trainer.step import train_step
 from slipstream.transport.rollouts import TrainingBatch
+from slipstream.weights.send.publish import WeightPublisher
 
 AdapterParams = dict[str, nn.Parameter]
 """Qualified parameter name (`model.layers.0.self_attn.q_proj.lora_A`) -> one tenant's tensor."""

@@ -1,1 +1,2 @@
-"""Data planes between processes: rollouts (orchestrator -> trainer) and weights (trainer -> inference)."""
+"""Between processes: rollouts (orchestrator -> trainer), whole-run checkpoints and tenant registration. The
+weight path (trainer -> inference) is slipstream.weights."""

@@ -3,7 +3,7 @@ grouped GEMM or the per-expert loop), with per-expert biases and GPT-OSS's clamp
 
 The weights keep transformers' layout (x @ W, gate and up INTERLEAVED in one tensor), not GroupedExperts' stacked
 nn.Linear one: the HF export is then a rename (the same tensors, which the trainer's layer-by-layer weight stream,
-trainer/weight_export.py, needs), and one grouped GEMM computes gate and up together. Still a GroupedExperts (LoRA
+weights/send/export.py, needs), and one grouped GEMM computes gate and up together. Still a GroupedExperts (LoRA
 refuses it by name; expert parallelism is refused for the family: gpt_oss/model.py).
 
 Legend: M = routed (token, expert) rows sorted by expert, D = hidden size, F = expert width, E = experts.

@@ -3,7 +3,7 @@ cast to the published dtype on each rank (its shard only; a cast is elementwise,
 casting the whole tensor), all-gathered together in one flat collective per process group and dtype, and laid out
 whole by one copy (`torch.split_with_sizes_copy`).
 
-Compared with unsharding each layer's FSDP unit (weight_export.HFWeightStream without a gatherer): one collective
+Compared with unsharding each layer's FSDP unit (export.HFWeightStream without a gatherer): one collective
 per chunk of about `CHUNK_BYTES` instead of one per layer, each of those with FSDP's own copy-in and copy-out, and
 the next chunk's gather in flight while the current one is consumed. The bytes are the same on GPUs (FSDP's mixed
 precision already gathers bfloat16) and half on CPUs (where FSDP gathers float32). Tensors published in float32

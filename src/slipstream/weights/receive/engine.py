@@ -7,7 +7,7 @@ Weights arrive in checkpoint (Hugging Face) format and go through vLLM's layer-w
 prepares it, every received bucket is handed to `model.load_weights`, finish_weight_update processes the layers and,
 on builds that keep a packed copy of a tied LM head, refreshes that copy (refresh_tied_modules).
 
-The first version's loads are watched (transport/copy_plan.py): when vLLM only copied the received bytes into the
+The first version's loads are watched (weights/receive/copy_plan.py): when vLLM only copied the received bytes into the
 model's parameters (bf16 on GPU), later versions replay those copies (one fused copy per bucket), without vLLM's
 loaders or its layer-wise reload; pieces of several trainer ranks are copied straight from the buffer they arrived
 in, without being laid out whole first. Otherwise (vLLM's CPU build repacks linear weights; quantized layers transform
@@ -27,11 +27,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from slipstream.transport.bucket_assembly import BucketAssembler
-from slipstream.transport.collective import GroupInit
-from slipstream.transport.copy_plan import PlanMismatch, PlannedLoads
-from slipstream.transport.weight_receiver import WeightReceiver, check_loaded
-from slipstream.transport.weight_stream import BroadcastSink, Bucket, Manifest
+from slipstream.weights.receive.copy_plan import PlanMismatch, PlannedLoads
+from slipstream.weights.receive.receiver import WeightReceiver, check_loaded
+from slipstream.weights.wire.bucket_assembly import BucketAssembler
+from slipstream.weights.wire.collective import GroupInit
+from slipstream.weights.wire.stream import BroadcastSink, Bucket, Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +48,12 @@ class SlipstreamUpdateInfo(WeightTransferUpdateInfo):
     manifest: dict[str, Any] | None = field(default=None)
     shared: dict[str, Any] | None = field(default=None)
     """The `ipc` transport: the handle of the trainer's buffer holding the manifest's buckets
-    (transport/shared_buffer.py)."""
+    (weights/wire/shared_buffer.py)."""
 
 
 class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamUpdateInfo]):
     init_info_cls = GroupInit
-    """How this worker joins the trainer's group: transport.collective.GroupInit (validated on parsing)."""
+    """How this worker joins the trainer's group: weights.wire.collective.GroupInit (validated on parsing)."""
     update_info_cls = SlipstreamUpdateInfo
     supports_draft_weight_update = False
 
@@ -169,7 +169,7 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
     @staticmethod
     def trainer_send_weights(iterator: Iterator[tuple[str, torch.Tensor]], trainer_args: dict[str, Any]) -> None:
         """vLLM's trainer-side hook (abstract on the engine up to vLLM 0.26; later releases moved the trainer side
-        to a class of its own). Slipstream's trainer sends through trainer/publish.py, which also shards, pipelines
+        to a class of its own). Slipstream's trainer sends through weights/send/publish.py, which also shards, pipelines
         and offers versions; this is the plain form for a caller of vLLM's API: broadcast `iterator`'s (HF name,
         tensor) pairs from rank 0 of `trainer_args["group"]` (a torch ProcessGroup the receivers joined through
         /init_weight_transfer_engine) in the buckets of `trainer_args["manifest"]` (a Manifest or its dict, the one

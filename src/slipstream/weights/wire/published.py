@@ -1,7 +1,7 @@
 """Published weights on the filesystem: `weights/step_N/` (HF safetensors + config + probe.json + READY).
 
 A step directory is complete once its READY marker exists; writers build it under a temporary name and
-rename it into place (see trainer/weights.py).
+rename it into place (see weights/send/folder.py).
 """
 
 import json
@@ -13,7 +13,7 @@ from slipstream.rundir import READY as READY
 from slipstream.rundir import RunDir
 
 INCOMPLETE_MARKER = "weight update incomplete"
-"""In the error of a version the engine received but did not load whole (transport/weight_receiver.check_loaded); the
+"""In the error of a version the engine received but did not load whole (weights/receive/receiver.check_loaded); the
 orchestrator tells it from a lost server by this text in vLLM's HTTP 500 reply (orchestrator/client.py)."""
 
 

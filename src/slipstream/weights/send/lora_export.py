@@ -3,7 +3,7 @@ PEFT's key names (`base_model.model.<HF module>.lora_A.weight` [R, in], `.lora_B
 (PeftModel.from_pretrained) and vLLM's LoRA loader (`--enable-lora`, /v1/load_lora_adapter) read.
 
 Our module names are turned into the Hugging Face checkpoint's through the family's weight adapter (the same plan
-as the merged export, trainer/weight_export.py); stacked experts become one adapter per expert
+as the merged export, weights/send/export.py); stacked experts become one adapter per expert
 (`mlp.experts.<e>.gate_proj`), the per-expert layout of HF checkpoints that vLLM's MoE LoRA loads. Under FSDP every
 rank gathers the (small) adapters; rank 0 writes.
 """
@@ -40,7 +40,7 @@ class AdapterTensor:
 
 def adapter_plan(model: nn.Module) -> list[AdapterTensor]:
     """The PEFT tensors of `model`'s adapters, in module order (the same on every rank)."""
-    from slipstream.trainer.weight_export import clean_name
+    from slipstream.weights.send.export import clean_name
 
     hf_names = _hf_weight_names(model)
     plan = []
@@ -73,7 +73,7 @@ def _strip_weight(hf_name: str) -> str:
 def _hf_weight_names(model: nn.Module) -> dict[str, list[tuple[str, int | None]]]:
     """Our (clean) weight name -> its HF checkpoint names, with the expert index for stacked experts."""
     from slipstream.trainer.logprobs import is_custom_model
-    from slipstream.trainer.weight_export import _custom_pieces, _named_tensors
+    from slipstream.weights.send.export import _custom_pieces, _named_tensors
 
     tensors = _named_tensors(model)
     if not is_custom_model(model):

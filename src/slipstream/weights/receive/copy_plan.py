@@ -4,7 +4,7 @@ A receiver hands every bucket of (name, tensor) pairs to a loader (vLLM: `model.
 reload), which goes tensor by tensor in Python: tens of microseconds of host time per tensor, more than the tensor
 takes on the wire. But a bf16 model's loaders only move bytes: the same slices of the same incoming tensors land in
 the same places of the same parameters every version. So the first version is loaded by the loader as usual while
-a dispatch mode watches every tensor operation (`LoadRecorder`, transport/load_recorder.py); if everything the
+a dispatch mode watches every tensor operation (`LoadRecorder`, weights/receive/load_recorder.py); if everything the
 loader did with the received data was to copy it, unchanged, into the model's parameters (possibly through
 temporaries, as vLLM's layer-wise reload does), the result is a `CopyPlan`: per loader call, the copies from views of
 the incoming tensors into views of the parameters (replayed as one `_foreach_copy_`). Later versions replay
@@ -22,7 +22,7 @@ packed copy of it would be replayed into the parameter only. Slipstream's probe 
 of the new version against the trainer's) is what catches that. vLLM's CPU build repacks linear weights after
 loading, so on CPU the plan is refused and loads stay with vLLM; on GPU, bf16 linear and MoE layers only copy.
 
-Several trainer ranks' pieces of a bucket (transport/pieces.py) need not be laid out whole for a replay: each copy is
+Several trainer ranks' pieces of a bucket (weights/wire/pieces.py) need not be laid out whole for a replay: each copy is
 split where the senders' rows meet, and its parts read the buffer the pieces arrived in (`replay_wire`). That saves
 a copy of every byte on the receiving GPU, where such copies delayed the next bucket's broadcasts. A copy whose view
 holds two senders' rows in one index cannot be split, and that bucket is laid out and replayed as usual.
@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slipstream.transport.load_recorder import Copies, LoadRecorder, Pairs, PlanRefused, View, byte_offset
-from slipstream.transport.pieces import PieceLayout
+from slipstream.weights.receive.load_recorder import Copies, LoadRecorder, Pairs, PlanRefused, View, byte_offset
+from slipstream.weights.wire.pieces import PieceLayout
 
 __all__ = ["CopyPlan", "LoadRecorder", "PlanMismatch", "PlanRefused", "PlannedLoads"]
 
@@ -54,7 +54,7 @@ class _CallPlan:
     """Some source is on another device than its destination (then every copy goes alone)."""
     last: Pairs | None = None
     """The list of pairs last replayed, held: a receiver that keeps its views hands the same list every version
-    (transport/bucket_receive.py), which then needs no check and no new views (~150 tensors a MoE bucket)."""
+    (weights/receive/bucket_receive.py), which then needs no check and no new views (~150 tensors a MoE bucket)."""
     wired: "_Wired | None" = None
     """The copies composed with the bucket's piece layout (`CopyPlan.replay_wire`), once worked out."""
 
@@ -85,7 +85,7 @@ class _Wired:
 
 def _compose(copies: Copies, layout: PieceLayout) -> _Wired:
     """Split every copy of a loader call where the senders' rows meet, each part reading the wire where its sender's
-    rows of that tensor arrived (transport/pieces.py)."""
+    rows of that tensor arrived (weights/wire/pieces.py)."""
     srcs, dsts = [], []
     for source, base, dst in copies:
         view = source.view

@@ -1,5 +1,5 @@
-"""The receiving side of a weight stream's broadcasts (transport/weight_stream.py's BroadcastSink, or several
-senders' pieces, transport/pieces.py): each bucket lands in one of two reused buffers while the caller loads the one
+"""The receiving side of a weight stream's broadcasts (weights/wire/stream.py's BroadcastSink, or several
+senders' pieces, weights/wire/pieces.py): each bucket lands in one of two reused buffers while the caller loads the one
 before, and is handed on as (name, tensor) views.
 
 Buffers and every view into them are kept from one version to the next while the plan is the same (it is, every
@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from slipstream.transport.collective import Lanes
-from slipstream.transport.pieces import concat
-from slipstream.transport.weight_stream import Bucket, Manifest, start_broadcast, start_pieces, unpack
+from slipstream.weights.wire.collective import Lanes
+from slipstream.weights.wire.pieces import concat
+from slipstream.weights.wire.stream import Bucket, Manifest, start_broadcast, start_pieces, unpack
 
 DirectLoader = Callable[[Bucket, torch.Tensor], bool]
 """Loads a bucket straight from its wire buffer (uint8, its piece layout) and returns True, or returns False."""
@@ -93,12 +93,12 @@ def receive_buckets(
     """Yields each bucket's (name, tensor) views, in plan order. The next bucket is already being received while the
     caller loads this one, into the second of two buffers of the largest bucket's size; a bucket's views are valid
     until the next bucket is requested (its buffer then receives the bucket after that: a caller that keeps views
-    longer, as vLLM's layer-wise reload does, copies them; inference/transfer_engine.py keep_deferred_loads). Pieces
+    longer, as vLLM's layer-wise reload does, copies them; weights/receive/engine.py keep_deferred_loads). Pieces
     of several senders arrive on `group`'s lanes (side by side) into two more such buffers and are laid out whole by
     one copy, unless `direct(bucket, wire)` (asked first, on the caller's stream) loads the bucket straight from its
     wire buffer and returns True: that bucket is not laid out and not yielded (a copy plan composed with the piece
-    layout, transport/copy_plan.py). `buffers` (kept by the caller from one version to the next) hold the buffers and
-    views.
+    layout, weights/receive/copy_plan.py). `buffers` (kept by the caller from one version to the next) hold the buffers
+    and views.
 
     On CUDA the broadcasts are queued from a receive stream that holds only the waits for free buffers: bucket k+1's
     broadcasts are queued before the caller's stream waits for bucket k (an event per work), so on each NCCL stream

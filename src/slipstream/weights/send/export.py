@@ -1,13 +1,13 @@
 """The trainer's model as a stream of Hugging Face tensors, one layer at a time, in lockstep on every rank (the
-gathers are collectives): sharded tensors arrive whole from trainer/shard_gather.py (several layers per
+gathers are collectives): sharded tensors arrive whole from weights/send/shard_gather.py (several layers per
 all-gather, cast to the published dtype before they travel, the next chunk in flight), or, with LoRA adapters to fold
 into float32 weights, from unsharding each layer's FSDP unit (the next layer's already in flight); tensors sharded
 in another way fall back to `full_tensor()`. The tensors are renamed (our models through their family's adapter,
 experts unstacked), and only a chunk of layers is held in full. LoRA adapters are folded into their weights (a
-merged model; trainer/lora_export.py writes the adapter alone).
+merged model; weights/send/lora_export.py writes the adapter alone).
 
 The stream's metadata (names, dtypes, shapes) is known before any gather, so the bucket plan can be sent first.
-The tensors are cast to the published dtype where they are copied into their bucket (transport/bucket_assembly.py).
+The tensors are cast to the published dtype where they are copied into their bucket (weights/wire/bucket_assembly.py).
 """
 
 import re
@@ -19,9 +19,9 @@ import torch
 from torch import Tensor, nn
 
 from slipstream.models.common.lora import has_lora, is_lora_name, merged_tensor
-from slipstream.trainer.shard_gather import CHUNK_BYTES, ShardGatherer
-from slipstream.transport.bucket_assembly import Run
-from slipstream.transport.weight_stream import TensorMeta
+from slipstream.weights.send.shard_gather import CHUNK_BYTES, ShardGatherer
+from slipstream.weights.wire.bucket_assembly import Run
+from slipstream.weights.wire.stream import TensorMeta
 
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 """Name parts added by activation checkpointing, torch.compile and wrappers; not part of the model's names."""
@@ -106,7 +106,7 @@ class HFWeightStream:
             TensorMeta(name, "float32" if is_kept_in_fp32(name, fp32) else dtype_name, shape)
             for name, shape in published
         ]
-        # Sharded tensors are gathered several layers at a time, already cast (trainer/shard_gather.py), unless
+        # Sharded tensors are gathered several layers at a time, already cast (weights/send/shard_gather.py), unless
         # LoRA adapters must be folded into the float32 weights first: then each layer's FSDP unit is unsharded.
         self.gatherer: ShardGatherer | None = None
         if gather and not has_lora(model):

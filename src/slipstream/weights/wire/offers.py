@@ -11,8 +11,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from slipstream.transport.weights import read_marker, weights_dir
 from slipstream.utils.fs import atomic_write_text
+from slipstream.weights.wire.published import read_marker, weights_dir
 
 OFFER = "OFFER"
 ACCEPT = "ACCEPT"
@@ -45,7 +45,7 @@ def latest_offered_step(output_dir: Path) -> int | None:
 
 
 def read_manifest(output_dir: Path, step: int) -> dict:
-    """The broadcast's manifest (weight_stream.Manifest.to_dict; validated by the receiver)."""
+    """The broadcast's manifest (stream.Manifest.to_dict; validated by the receiver)."""
     return read_marker(weights_dir(output_dir, step) / MANIFEST, {"version": int, "step": int, "buckets": list})
 
 
@@ -99,7 +99,7 @@ def wait_delivered(output_dir: Path, step: int, timeout_s: float, poll_s: float 
 def latest_available_step(output_dir: Path) -> int | None:
     """Newest version inference can be given now: complete on disk (READY), or offered by broadcast and not yet
     delivered (the trainer is waiting to send it)."""
-    from slipstream.transport.weights import latest_ready_step
+    from slipstream.weights.wire.published import latest_ready_step
 
     ready = latest_ready_step(output_dir)
     offered = latest_offered_step(output_dir)

@@ -1,5 +1,5 @@
 """Published weight folders `weights/step_N/`: HF safetensors shards (the weight stream written to disk, see
-trainer/weight_export.py) + config + tokenizer + probe.json + manifest.json + READY, built under a temporary name and
+weights/send/export.py) + config + tokenizer + probe.json + manifest.json + READY, built under a temporary name and
 renamed into place, so readers never see a partial one; and the probe: log-probs of a fixed text computed in the
 published dtype (not under the trainer's autocast), so that it matches what inference serves.
 """
@@ -16,8 +16,8 @@ from torch import nn
 
 from slipstream.trainer.data import PackedMicroBatch
 from slipstream.trainer.logprobs import compute_logprobs, is_custom_model
-from slipstream.transport.weights import PROBE, READY, weights_dir
 from slipstream.utils.fs import atomic_write_text, commit_dir
+from slipstream.weights.wire.published import PROBE, READY, weights_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -71,8 +71,8 @@ def publish_weights(
     """Write `weights/step_{step}` of a whole (unsharded) model, ours or transformers', atomically, with the weights
     cast to `dtype`, and return it. `source_dir`, the HF folder the model was loaded from, provides config.json and
     generation_config.json (required for our models; transformers' models carry their config)."""
-    from slipstream.trainer.weight_export import HFWeightStream
-    from slipstream.transport.weight_stream import Manifest, plan_buckets
+    from slipstream.weights.send.export import HFWeightStream
+    from slipstream.weights.wire.stream import Manifest, plan_buckets
 
     hf_config = model_hf_config(model, source_dir)
     probe = {
@@ -93,7 +93,7 @@ class PublishedFiles:
         self.hf_config, self.dtype, self.tokenizer, self.source_dir = hf_config, dtype, tokenizer, source_dir
 
     def write(self, folder: Path, manifest, probe: dict) -> None:
-        from slipstream.transport.weight_offers import MANIFEST
+        from slipstream.weights.wire.offers import MANIFEST
 
         config = copy.deepcopy(self.hf_config)
         config.dtype = self.dtype
@@ -123,8 +123,8 @@ def write_weights_folder(
     """Stream the weights into a temporary folder (rank 0 writes; every rank iterates `stream`, whose gathers are
     collectives), add the other files and READY, and rename it to `final_dir`. `buffers`: the caller's
     BucketBuffers, kept from one version to the next."""
-    from slipstream.transport.bucket_assembly import stream_to
-    from slipstream.transport.weight_stream import SafetensorsSink
+    from slipstream.weights.wire.bucket_assembly import stream_to
+    from slipstream.weights.wire.stream import SafetensorsSink
 
     if not is_main:
         stream_to(stream, manifest, [])
@@ -147,7 +147,7 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     The float32 masters are never copied in full: each parameter is cast straight into the copy, so the extra
     memory is one model in `dtype`."""
     from slipstream.models.common.lora import has_lora, merged_state_dict
-    from slipstream.trainer.weight_export import is_kept_in_fp32, keep_in_fp32
+    from slipstream.weights.send.export import is_kept_in_fp32, keep_in_fp32
 
     params = list(model.parameters())
     if all(p.dtype == dtype for p in params):

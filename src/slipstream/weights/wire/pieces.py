@@ -3,11 +3,11 @@ gathering the whole model first: every byte then crosses the link once, not twic
 
 Sender q's *piece* of a bucket is, tensor after tensor in bucket order, the rows of that tensor it holds (a
 tensor's rows are its first-dim slices; a 0-d tensor is one row). On the wire a bucket's buffer is piece 0, then
-piece 1, ...: each sender broadcasts its own piece as the root of its lane (transport/collective.py), into the same
+piece 1, ...: each sender broadcasts its own piece as the root of its lane (weights/wire/collective.py), into the same
 offsets on every receiver. Receivers then lay the tensors out whole (tensor after tensor, as one sender would have
 sent them) with one copy (a `torch.cat` of the wire's segments in the whole layout's order), and hand them on exactly
-as before; or, once the loads are a copy plan (transport/copy_plan.py), its copies read each sender's rows where they
-arrived on the wire (`PieceLayout.runs`), and no bucket is laid out. A `Bucket.rows` table (from
+as before; or, once the loads are a copy plan (weights/receive/copy_plan.py), its copies read each sender's rows where
+they arrived on the wire (`PieceLayout.runs`), and no bucket is laid out. A `Bucket.rows` table (from
 the manifest) says how many rows of each tensor each sender holds.
 """
 

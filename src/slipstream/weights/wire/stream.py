@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from slipstream.transport.pieces import PieceLayout, piece_layout, row_count
+from slipstream.weights.wire.pieces import PieceLayout, piece_layout, row_count
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -60,7 +60,7 @@ class Bucket:
     dtype: str
     tensors: tuple[TensorMeta, ...]
     rows: tuple[tuple[int, ...], ...] | None = None
-    """Sent by several trainer ranks, each its own rows (transport/pieces.py): rows[j][q] = rows of tensor j that
+    """Sent by several trainer ranks, each its own rows (weights/wire/pieces.py): rows[j][q] = rows of tensor j that
     sender q holds. None: one sender sends every tensor whole."""
 
     @functools.cached_property
@@ -86,7 +86,7 @@ class Manifest:
     buckets: tuple[Bucket, ...]
     senders: int = 1
     """Trainer ranks that send (ranks 0 .. senders - 1 of the transfer group; receivers follow). With more than one,
-    every bucket has a rows table saying which rows of each tensor each of them sends (transport/pieces.py)."""
+    every bucket has a rows table saying which rows of each tensor each of them sends (weights/wire/pieces.py)."""
 
     def __post_init__(self) -> None:
         for i, bucket in enumerate(self.buckets):
@@ -209,11 +209,12 @@ def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> list[Bucket]
 
 def plan_pipelined(metas: Iterable[TensorMeta], bucket_bytes: int, edge_bytes: int) -> list[Bucket]:
     """Buckets for a sender that may send tensors in any order (each trainer rank already holds its rows:
-    trainer/piece_send.py), shaped for the pipeline: the sender casts the first bucket before anything moves and the
-    receivers load the last one after everything arrived, so the first buckets ramp up from `edge_bytes` (each at most
-    twice the one before, up to `bucket_bytes`) and the last ones ramp down to it (each at most half of what is left).
-    Tensors larger than a quarter of a bucket (embeddings, LM heads) move to the middle of the stream, where buckets
-    are full size; the others keep their order. Each dtype is planned apart, in the order its first tensor comes."""
+    weights/send/piece_send.py), shaped for the pipeline: the sender casts the first bucket before anything moves and
+    the receivers load the last one after everything arrived, so the first buckets ramp up from `edge_bytes` (each at
+    most twice the one before, up to `bucket_bytes`) and the last ones ramp down to it (each at most half of what is
+    left). Tensors larger than a quarter of a bucket (embeddings, LM heads) move to the middle of the stream, where
+    buckets are full size; the others keep their order. Each dtype is planned apart, in the order its first tensor
+    comes."""
     if bucket_bytes < 1 or edge_bytes < 1:
         raise ValueError(f"bucket sizes must be >= 1 byte (got bucket {bucket_bytes}, edge {edge_bytes})")
     by_dtype: dict[str, list[TensorMeta]] = {}
@@ -305,7 +306,7 @@ class SafetensorsSink:
 class BroadcastSink:
     """Broadcasts each bucket as one flat buffer from rank 0 of `group` (a torch ProcessGroup: NCCL or gloo). On CUDA
     the broadcasts are queued (the current stream waits for them); `close` waits for them on the host unless
-    `synchronize` is false (the caller waits in its own way: trainer/send_watch.py)."""
+    `synchronize` is false (the caller waits in its own way: weights/send/send_watch.py)."""
 
     def __init__(self, group: "torch.distributed.ProcessGroup", device: torch.device, synchronize: bool = True) -> None:
         self.group, self.device, self.synchronize = group, device, synchronize
@@ -333,7 +334,7 @@ def start_broadcast(group: "torch.distributed.ProcessGroup", tensor: torch.Tenso
 
 
 def start_pieces(lanes, wire: torch.Tensor, layout: PieceLayout) -> list:
-    """Start the broadcasts of a bucket sent by several senders (`lanes`: transport.collective.Lanes): sender q's
+    """Start the broadcasts of a bucket sent by several senders (`lanes`: weights.wire.collective.Lanes): sender q's
     piece from rank 0 of lane q, into its place in `wire` (uint8, the layout's size), on every lane this member is in
     (a receiver: all; a sender: its own). Returns the works to wait on. Each lane has its own communicator, so on CUDA
     the pieces travel side by side (each on its lane's NCCL stream)."""

@@ -1,7 +1,7 @@
-"""Watching a receiver's weight loads (transport/copy_plan.py replays what this finds): a dispatch mode that follows
-every received byte through the loader's operations into the model's parameters, possibly through temporaries (as
-vLLM's layer-wise reload materialises a layer, then copies it into the kernel tensors), and refuses at the first step
-a replay of copies could not reproduce (copy_plan.py's docstring gives the rules).
+"""Watching a receiver's weight loads (weights/receive/copy_plan.py replays what this finds): a dispatch mode that
+follows every received byte through the loader's operations into the model's parameters, possibly through temporaries
+(as vLLM's layer-wise reload materialises a layer, then copies it into the kernel tensors), and refuses at the first
+step a replay of copies could not reproduce (copy_plan.py's docstring gives the rules).
 
 Storages are known by identity (`storage_key`), never by address: memory a freed temporary held is handed out again
 by malloc, also to tensors the mode never sees allocated (`torch.tensor(1.0)` dispatches only `aten.lift_fresh`, a

@@ -1,6 +1,6 @@
 """Process groups between the trainer (rank 0, the sender) and inference workers (ranks 1..n), outside any default
 process group: a TCPStore hosted by the trainer, one PrefixStore per session, and a gloo (CPU) or NCCL (GPU) group.
-When several trainer ranks send (each its own rows: transport/pieces.py), each sender gets its own group with every
+When several trainer ranks send (each its own rows: weights/wire/pieces.py), each sender gets its own group with every
 receiver, a *lane* (`Lanes`), so that the senders' pieces travel side by side on separate communicators.
 
 A session is one life of the receiving side: when an inference server restarts, the orchestrator opens a new session

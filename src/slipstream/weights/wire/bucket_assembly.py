@@ -1,6 +1,6 @@
 """Assembling a weight stream into buckets on the sender: a stream yields each layer's runs of tensors; they are
 copied (and cast) straight into reused bucket buffers, and each complete bucket goes to the sinks (safetensors
-shards, a broadcast: transport/weight_stream.py) on a sender thread while later layers are gathered."""
+shards, a broadcast: weights/wire/stream.py) on a sender thread while later layers are gathered."""
 
 import contextlib
 import itertools
@@ -11,7 +11,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from slipstream.transport.weight_stream import Bucket, BucketSink, Manifest
+from slipstream.weights.wire.stream import Bucket, BucketSink, Manifest
 
 
 class Run(NamedTuple):

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from slipstream.transport.bucket_receive import DirectLoader, ReceiveBuffers, receive_buckets
-from slipstream.transport.collective import GroupInit, close_group, open_group, open_store
-from slipstream.transport.shared_buffer import bucket_offsets, open_shared
-from slipstream.transport.weight_stream import Manifest, iter_safetensors, unpack
-from slipstream.transport.weights import INCOMPLETE_MARKER
+from slipstream.weights.receive.bucket_receive import DirectLoader, ReceiveBuffers, receive_buckets
+from slipstream.weights.wire.collective import GroupInit, close_group, open_group, open_store
+from slipstream.weights.wire.published import INCOMPLETE_MARKER
+from slipstream.weights.wire.shared_buffer import bucket_offsets, open_shared
+from slipstream.weights.wire.stream import Manifest, iter_safetensors, unpack
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], object]
 """Loads one batch of (HF name, tensor) pairs into the model (vLLM: `model.load_weights`)."""
@@ -72,7 +72,8 @@ class WeightReceiver:
         required); `{"step": 0, "model": folder}` the model's own checkpoint folder (the initial weights, no marker);
         `{"step": N, "manifest": {...}}` receives the manifest's buckets from the sender's broadcast, or with
         `"shared": handle` reads them from the trainer's shared buffer. `direct` may load a bucket of several
-        senders' pieces straight from its wire buffer (transport/bucket_receive.py); `load` gets every other one."""
+        senders' pieces straight from its wire buffer (weights/receive/bucket_receive.py); `load` gets every other
+        one."""
         start = time.perf_counter()
         step = update_info.get("step") if isinstance(update_info, dict) else None
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -91,7 +92,7 @@ class WeightReceiver:
             manifest = Manifest.from_dict(update_info["manifest"])
             if manifest.step != step:
                 raise ValueError(f"update_info step {step} but its manifest is of step {manifest.step}")
-            if "shared" in update_info:  # the ipc transport: the trainer's buffer, mapped (transport/shared_buffer.py)
+            if "shared" in update_info:  # the ipc transport: the trainer's buffer, mapped (wire/shared_buffer.py)
                 _load_shared(update_info["shared"], manifest, self.device, load)
                 source = "shared memory"
             else:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from slipstream.transport.weight_offers import read_accept
+from slipstream.weights.wire.offers import read_accept
 
 
 class SessionSuperseded(RuntimeError):

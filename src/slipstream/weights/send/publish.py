@@ -1,9 +1,9 @@
-"""Publish the policy after every step as weight version N, streamed layer by layer (trainer/weight_export.py):
+"""Publish the policy after every step as weight version N, streamed layer by layer (weights/send/export.py):
 
 - `filesystem`: into `weights/step_N/` as safetensors shards + config + tokenizer + probe.json + READY, built under a
   temporary name and renamed into place;
-- `nccl` / `gloo`: offered by broadcast (transport/weight_offers.py). Every trainer rank sends the rows it holds
-  (trainer/piece_send.py: no gather, each byte crosses the link once) when the model's sharding allows; otherwise
+- `nccl` / `gloo`: offered by broadcast (weights/wire/offers.py). Every trainer rank sends the rows it holds
+  (weights/send/piece_send.py: no gather, each byte crosses the link once) when the model's sharding allows; otherwise
   rank 0 sends each bucket as soon as it is gathered, while the next layer is being gathered. Checkpoint steps (and
   the last step) are also written to disk, since resume and users need them there.
 
@@ -21,23 +21,23 @@ import torch
 import torch.distributed as dist
 
 from slipstream.config.trainer import TrainerConfig
-from slipstream.trainer.lora_export import MERGED_DIR, adapter_plan, gather_adapter, write_peft_adapter
-from slipstream.trainer.piece_send import NotDirect, PieceSender
-from slipstream.trainer.send_watch import SendWatch
 from slipstream.trainer.setup import Trainer
-from slipstream.trainer.weight_export import HFWeightStream
-from slipstream.trainer.weights import (
+from slipstream.transport.checkpoints import is_checkpoint_step
+from slipstream.utils.fs import atomic_write_text, commit_dir
+from slipstream.weights.send.export import HFWeightStream
+from slipstream.weights.send.folder import (
     PublishedFiles,
     cast_model,
     compute_probe_logprobs,
     make_world_readable,
     write_weights_folder,
 )
-from slipstream.transport.bucket_assembly import BucketBuffers, stream_to
-from slipstream.transport.checkpoints import is_checkpoint_step
-from slipstream.transport.collective import GroupInit, close_group, open_group, open_store
-from slipstream.transport.shared_buffer import SharedBuffer, SharedSink, bucket_offsets
-from slipstream.transport.weight_offers import (
+from slipstream.weights.send.lora_export import MERGED_DIR, adapter_plan, gather_adapter, write_peft_adapter
+from slipstream.weights.send.piece_send import NotDirect, PieceSender
+from slipstream.weights.send.send_watch import SendWatch
+from slipstream.weights.wire.bucket_assembly import BucketBuffers, stream_to
+from slipstream.weights.wire.collective import GroupInit, close_group, open_group, open_store
+from slipstream.weights.wire.offers import (
     MANIFEST,
     OFFER,
     Accept,
@@ -45,7 +45,9 @@ from slipstream.transport.weight_offers import (
     wait_delivered,
     wait_for_accept,
 )
-from slipstream.transport.weight_stream import (
+from slipstream.weights.wire.published import PROBE, READY, weights_dir
+from slipstream.weights.wire.shared_buffer import SharedBuffer, SharedSink, bucket_offsets
+from slipstream.weights.wire.stream import (
     BroadcastSink,
     BucketSink,
     Manifest,
@@ -54,8 +56,6 @@ from slipstream.transport.weight_stream import (
     plan_buckets,
     plan_pipelined,
 )
-from slipstream.transport.weights import PROBE, READY, weights_dir
-from slipstream.utils.fs import atomic_write_text, commit_dir
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ class WeightPublisher:
     """Publishes weight versions for one trainer process (every rank has one; rank 0 does the writing/sending).
 
     With `model.lora` and `adapters` (the RL trainer) a version is the LoRA adapter alone, written as a PEFT folder
-    (trainer/lora_export.py) that inference loads in place; without `adapters` (SFT's final export) it is the merged
-    model."""
+    (weights/send/lora_export.py) that inference loads in place; without `adapters` (SFT's final export) it is the
+    merged model."""
 
     def __init__(self, trainer: Trainer, config: TrainerConfig, adapters: bool = False) -> None:
         self.trainer, self.config = trainer, config
@@ -294,7 +294,8 @@ class WeightPublisher:
 
     def _await_sent(self, step: int) -> BaseException | None:
         """CUDA: wait until this rank's broadcasts of `step` have completed, aborting the group if the orchestrator
-        took the version in another session meanwhile (trainer/send_watch.py). gloo's sends have completed already."""
+        took the version in another session meanwhile (weights/send/send_watch.py). gloo's sends have completed
+        already."""
         if self.trainer.device.type != "cuda":
             return None
         assert self.session is not None  # set with the group by _join

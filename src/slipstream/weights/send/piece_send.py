@@ -1,7 +1,7 @@
-"""Every trainer rank sends the rows it holds (transport/pieces.py): no gather on the trainer, each byte crosses the
+"""Every trainer rank sends the rows it holds (weights/wire/pieces.py): no gather on the trainer, each byte crosses the
 link once. Rank q of the trainer is sender q of the transfer group; for each bucket in plan order it casts its rows
 of the bucket's tensors into its piece (one fused copy per bucket, from views planned once) and broadcasts it on its
-own lane (transport/collective.py's Lanes: sender q and every receiver), side by side with the other senders, so
+own lane (weights/wire/collective.py's Lanes: sender q and every receiver), side by side with the other senders, so
 every receiver ends up with the whole bucket. When the version is also written to disk, rank 0 gets the other
 senders' pieces over the trainer's own process group.
 
@@ -10,7 +10,7 @@ DTensor replicated along every mesh dimension of size > 1: sender 0 sends it) or
 one mesh dimension that spans every trainer rank (FSDP2 over the whole trainer, or expert parallelism alone), and
 the stream publishes tensors as the model holds them (no LoRA to fold in, no layout conversion of transformers'
 fused experts). Anything else (HSDP, experts sharded twice by FSDP x EP) is streamed by rank 0 after a gather
-(weight_export.HFWeightStream); `PieceSender.plan` says which.
+(export.HFWeightStream); `PieceSender.plan` says which.
 """
 
 from dataclasses import dataclass
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from slipstream.trainer.shard_gather import rows_per_rank, shard_axis
-from slipstream.trainer.weight_export import HFWeightStream
-from slipstream.transport.pieces import row_count
-from slipstream.transport.weight_stream import Bucket, BucketSink, Manifest, start_broadcast, start_pieces
+from slipstream.weights.send.export import HFWeightStream
+from slipstream.weights.send.shard_gather import rows_per_rank, shard_axis
+from slipstream.weights.wire.pieces import row_count
+from slipstream.weights.wire.stream import Bucket, BucketSink, Manifest, start_broadcast, start_pieces
 
 NUM_SLOTS = 3
 """Bucket buffers per sender: one being filled while the two before it are still on the wire."""
