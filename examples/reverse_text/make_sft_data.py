@@ -1,10 +1,10 @@
 """Write reverse_text's own solved examples as SFT data (chat rows: the environment's prompt + the correct answer):
-`python examples/reverse_text/make_sft_data.py [OUT_DIR]` -> OUT_DIR/train.jsonl (train split) and
-OUT_DIR/val.jsonl (held-out eval split, for the validation loss only). Default OUT_DIR: outputs/reverse_text_sft_data.
-The environment arguments match rl.toml's, so SFT teaches the format and the skill RL then sharpens."""
+`python examples/reverse_text/make_sft_data.py [OUT_DIR] [--min-words N] [--max-words M]` -> OUT_DIR/train.jsonl
+(train split) and OUT_DIR/val.jsonl (held-out eval split, for the validation loss only). Default OUT_DIR:
+outputs/reverse_text_sft_data. The default environment arguments match rl.toml's; the word range can differ from it."""
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 from slipstream.envs.reverse_text import ReverseTextEnv
@@ -12,8 +12,8 @@ from slipstream.envs.reverse_text import ReverseTextEnv
 ENV_ARGS = {"num_tasks": 1000, "num_eval_tasks": 64, "min_words": 2, "max_words": 5}
 
 
-def main(out_dir: Path) -> None:
-    env = ReverseTextEnv(**ENV_ARGS)
+def main(out_dir: Path, min_words: int, max_words: int) -> None:
+    env = ReverseTextEnv(**ENV_ARGS | {"min_words": min_words, "max_words": max_words})
     out_dir.mkdir(parents=True, exist_ok=True)
     for split, name in (("train", "train.jsonl"), ("eval", "val.jsonl")):
         rows = []
@@ -25,4 +25,11 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "outputs/reverse_text_sft_data"))
+    parser = argparse.ArgumentParser(
+        description="Write reverse_text's own solved examples as SFT data (JSONL chat rows)."
+    )
+    parser.add_argument("out_dir", nargs="?", type=Path, default=Path("outputs/reverse_text_sft_data"))
+    parser.add_argument("--min-words", type=int, default=ENV_ARGS["min_words"], help="fewest words per text")
+    parser.add_argument("--max-words", type=int, default=ENV_ARGS["max_words"], help="most words per text")
+    args = parser.parse_args()
+    main(args.out_dir, args.min_words, args.max_words)

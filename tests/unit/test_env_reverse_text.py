@@ -1,6 +1,10 @@
 """reverse_text environment: rewards on known answers, deterministic tasks, registry errors."""
 
 import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +83,30 @@ def test_heldout_words_keep_the_eval_vocabulary_out_of_training():
     for bad in (-1, 10_000):
         with pytest.raises(ValueError, match="heldout_words"):
             ReverseTextEnv(heldout_words=bad)
+
+
+def test_sft_data_script_writes_solved_examples_in_the_word_range_asked(tmp_path):
+    """examples/reverse_text/make_sft_data.py: the environment's prompt + the exact reversal, texts of --min-words to
+    --max-words words (prime-rl's split: SFT on other lengths than RL)."""
+    script = Path(__file__).parents[2] / "examples/reverse_text/make_sft_data.py"
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "--min-words", "6", "--max-words", "8"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "wrote 1000 rows" in run.stdout
+    rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 1000
+    lengths = set()
+    for row in rows:
+        system, user, answer = row["messages"]
+        lengths.add(len(user["content"].split()))
+        assert answer["content"] == f"<reversed_text>{user['content'][::-1]}</reversed_text>"
+    assert lengths == {6, 7, 8}
+    bad = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "--min-words", "5", "--max-words", "2"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode != 0 and "min_words <= max_words" in bad.stderr
