@@ -35,7 +35,9 @@ def test_broadcast_survives_a_receiver_dying_mid_transfer(tiny_qwen3_dir, tmp_pa
         output_dir=tmp_path / "run",
         max_steps=2,
         device="cpu",
-        weights=WeightsConfig(transport="gloo", master_port=port, bucket_mb=1, accept_timeout_s=120),
+        weights=WeightsConfig(
+            transport="gloo", master_port=port, bucket_mb=1, accept_timeout_s=120, track_changes=True
+        ),
     )
     trainer = setup_trainer(config)
     publisher = WeightPublisher(trainer, config)
@@ -74,6 +76,10 @@ def test_broadcast_survives_a_receiver_dying_mid_transfer(tiny_qwen3_dir, tmp_pa
         publisher.close()
         teardown_trainer(trainer)
     assert results[1]["weights/send_attempts"] == 2 and results[2]["weights/send_attempts"] == 1
+    # weights.track_changes: step 1 (the first, sent twice) has nothing to compare with; step 2 is the same model
+    # (no training between), compared with the bytes of step 1 that went out whole on the second attempt.
+    assert "weights/changed_fraction" not in results[1]
+    assert results[2]["weights/changed_fraction"] == 0.0 and results[2]["weights/delta_bytes"] == 0.0
     assert (weights_dir(config.output_dir, 1) / DELIVERED).exists()
     # Only the last step (resume and users need it) is also written to disk; step 1 lived in the broadcast only.
     assert not (weights_dir(config.output_dir, 1) / READY).exists()

@@ -40,6 +40,13 @@ class WeightsConfig(BaseConfig):
     shape, 1 -> 1 H200: 0.75-0.77 -> 0.79-0.83 of raw NCCL bandwidth, benchmarks/RESULTS.md). None: every bucket
     up to `bucket_mb`, in the model's order (as the stream after a gather and the filesystem transport always are)."""
 
+    track_changes: bool = False
+    """Measure how much of each version changed since the one before, as a delta update would send it (trainer rank 0,
+    bitwise in the published dtype): `weights/changed_fraction` (elements whose bits differ), `weights/delta_bytes`
+    and `weights/delta_ratio` (an int32 index + the new value per changed element, or the whole bucket when smaller;
+    against `weights/bytes`). Costs one copy of the published weights on rank 0's device. Not where every trainer rank
+    sends its own rows (collective transports with several trainer ranks) nor with `model.lora`: refused at start."""
+
     master_addr: str = "127.0.0.1"
     """Address the trainer's rendezvous store listens on (collective transports); inference workers connect to it.
     Use the trainer node's address when inference runs on other machines."""

@@ -10,6 +10,7 @@ Dataflow of version N (the policy after trainer step N; version 0 is the startin
                             *manifest* that carries it
       wire/bucket_assembly.py  runs copied (and cast) into reused bucket buffers; each complete bucket to the sinks
       send/piece_send.py    or, when the sharding allows, every rank casts its own rows: its *piece* of each bucket
+      send/changes.py       (`weights.track_changes`) what changed since the version before, as a delta would send it
       send/publish.py       *publish* by `weights.transport`:
         filesystem          safetensors shards + config + probe.json + READY in `weights/step_N/` (send/folder.py)
         nccl / gloo         *offer* (wire/offers.py); the orchestrator ACCEPTs it for a *session*; one broadcast per

@@ -118,11 +118,11 @@ def model_hf_config(model: nn.Module, source_dir: Path | None):
 
 
 def write_weights_folder(
-    final_dir: Path, stream, manifest, probe: dict, files: PublishedFiles, is_main: bool, buffers=None
+    final_dir: Path, stream, manifest, probe: dict, files: PublishedFiles, is_main: bool, buffers=None, sinks=()
 ) -> Path:
     """Stream the weights into a temporary folder (rank 0 writes; every rank iterates `stream`, whose gathers are
     collectives), add the other files and READY, and rename it to `final_dir`. `buffers`: the caller's
-    BucketBuffers, kept from one version to the next."""
+    BucketBuffers, kept from one version to the next; `sinks`: more bucket sinks of rank 0 (weights/send/changes.py)."""
     from slipstream.weights.wire.bucket_assembly import stream_to
     from slipstream.weights.wire.stream import SafetensorsSink
 
@@ -133,7 +133,7 @@ def write_weights_folder(
     if tmp_dir.exists():
         shutil.rmtree(tmp_dir)
     tmp_dir.mkdir(parents=True)
-    stream_to(stream, manifest, [SafetensorsSink(tmp_dir, len(manifest.buckets))], buffers)
+    stream_to(stream, manifest, [SafetensorsSink(tmp_dir, len(manifest.buckets)), *sinks], buffers)
     files.write(tmp_dir, manifest, probe)
     atomic_write_text(tmp_dir / READY, f"{manifest.step}\n")
     make_world_readable(tmp_dir)

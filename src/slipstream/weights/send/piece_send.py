@@ -203,14 +203,24 @@ class PieceSender:
         if srcs:
             torch._foreach_copy_(self._views(b, slot), srcs)
 
-    def send(self, group, device: torch.device, files: BucketSink | None = None, collect: bool = False) -> None:
+    def send(
+        self,
+        group,
+        device: torch.device,
+        files: BucketSink | None = None,
+        collect: bool = False,
+        observers: tuple[BucketSink, ...] = (),
+    ) -> None:
         """Send one version: every bucket, this rank's piece broadcast on its lane of `group` (the session's Lanes; one
         trainer rank: the session's group). Every trainer rank calls this at the same time. `collect` (every rank
         alike): rank 0 also gets every other rank's piece, over the trainer's default process group, and hands each
-        whole bucket to `files` (rank 0's safetensors shards of checkpoint steps). Raises what a group raises (a
-        receiver that died); the caller closes the group."""
+        whole bucket to `files` (rank 0's safetensors shards of checkpoint steps). `observers` (one trainer rank only,
+        whose piece is the whole bucket) see each bucket as it is sent, without waiting for the send
+        (weights/send/changes.py). Raises what a group raises (a receiver that died); the caller closes the group."""
         if not self.buckets:
             return
+        if observers and self.world > 1:
+            raise ValueError("bucket observers need the whole bucket: one trainer rank only")
         collect = collect and self.world > 1
         if files is not None and self.world > 1 and not (collect and self.rank == 0):
             raise ValueError("whole buckets for files need collect=True on every rank, and files on rank 0 only")
@@ -232,6 +242,8 @@ class PieceSender:
             # runs on its own NCCL stream, so the next fill goes on at once (one stream switch and two events fewer
             # per bucket on the sender's host, which the first small buckets wait for).
             works = start_pieces(group, wire, bucket.layout) if self.world > 1 else [start_broadcast(group, wire)]
+            for observer in observers:  # reads `wire` on this stream, before its next fill
+                observer.send(b, bucket, wire)
             if collect:
                 works += self._collect(wire, bucket)
             if files is not None or not cuda:

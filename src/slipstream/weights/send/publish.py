@@ -24,6 +24,7 @@ from slipstream.config.trainer import TrainerConfig
 from slipstream.trainer.setup import Trainer
 from slipstream.transport.checkpoints import is_checkpoint_step
 from slipstream.utils.fs import atomic_write_text, commit_dir
+from slipstream.weights.send.changes import ChangeTracker
 from slipstream.weights.send.export import HFWeightStream
 from slipstream.weights.send.folder import (
     PublishedFiles,
@@ -115,6 +116,22 @@ class WeightPublisher:
                 self.pieces = PieceSender(self.stream, plan, trainer.info.rank, trainer.world_size)
             except NotDirect as e:
                 log.info(f"weights: trainer rank 0 sends every bucket after gathering it ({e})")
+        self.changes: ChangeTracker | None = None
+        """`weights.track_changes`: rank 0 compares each version with the one before (weights/send/changes.py)."""
+        if config.weights.track_changes:
+            if self.lora is not None:
+                raise ValueError(
+                    "weights.track_changes compares full-model versions, but with model.lora the trainer publishes "
+                    "only the adapter: set weights.track_changes = false"
+                )
+            if self.pieces is not None and trainer.world_size > 1:
+                raise ValueError(
+                    "weights.track_changes compares whole buckets on trainer rank 0, but here every trainer rank "
+                    f"sends its own rows ({self.transport} with a sharded model): set weights.track_changes = false, "
+                    'or weights.transport = "filesystem" to measure the changes'
+                )
+            if self.is_main:
+                self.changes = ChangeTracker()
 
     @property
     def is_main(self) -> bool:
@@ -144,6 +161,8 @@ class WeightPublisher:
         if self.lora is not None:
             return self._publish_adapter(step, probe) | {"weights/probe_s": t_probe - start}
         waited = 0.0
+        if self.changes is not None:
+            self.changes.begin(step, manifest.buckets)
         if self.transport == "ipc":
             attempts, waited = self._publish_ipc(step, stream, manifest, probe)
         elif self.transport == "filesystem":
@@ -151,7 +170,8 @@ class WeightPublisher:
         else:
             attempts, waited = self._publish_broadcast(step, stream, manifest, probe)
         seconds = time.perf_counter() - t_probe - waited
-        return {
+        changes = self.changes.take() if self.changes is not None else {}
+        return changes | {
             "weights/bytes": float(manifest.nbytes),
             "weights/send_s": seconds,
             "weights/send_gbps": manifest.nbytes / max(seconds, 1e-9) / 1e9,
@@ -192,7 +212,8 @@ class WeightPublisher:
 
     def _publish_files(self, step: int, stream: HFWeightStream, manifest: Manifest, probe: dict) -> int:
         folder = weights_dir(self.config.output_dir, step)
-        write_weights_folder(folder, stream, manifest, probe, self.files, self.is_main, self.buffers)
+        sinks = [self.changes] if self.changes is not None else []
+        write_weights_folder(folder, stream, manifest, probe, self.files, self.is_main, self.buffers, sinks)
         return 1
 
     def _publish_ipc(self, step: int, stream: HFWeightStream, manifest: Manifest, probe: dict) -> tuple[int, float]:
@@ -213,6 +234,8 @@ class WeightPublisher:
             if self.shared is None:
                 self.shared = SharedBuffer(bucket_offsets(sizes)[1], self.trainer.device, name=f"{os.getpid()}")
             sinks.append(SharedSink(self.shared, sizes))
+            if self.changes is not None:
+                sinks.append(self.changes)
         stream_to(stream, manifest, sinks, self.buffers)
         if self.is_main:
             assert self.shared is not None
@@ -276,6 +299,8 @@ class WeightPublisher:
             sinks.append(sender)
             if folder is not None:
                 sinks.append(SafetensorsSink(folder, len(manifest.buckets)))
+            if self.changes is not None:
+                sinks.append(self.changes)
         stream_to(stream, manifest, sinks, self.buffers)
         return None if sender is None else sender.error
 
@@ -285,7 +310,8 @@ class WeightPublisher:
         files = SafetensorsSink(folder, len(manifest.buckets)) if folder is not None and self.is_main else None
         try:
             self._join(accept)
-            self.pieces.send(self.group, self.trainer.device, files, collect=folder is not None)
+            observers = (self.changes,) if self.changes is not None else ()
+            self.pieces.send(self.group, self.trainer.device, files, collect=folder is not None, observers=observers)
         except (RuntimeError, OSError) as e:  # torch.distributed reports a lost peer as RuntimeError/DistBackendError
             close_group(self.group)  # the other members' pending broadcasts fail now instead of at their timeout
             self.group = None
