@@ -508,6 +508,24 @@ def worker(rank: int, args: dict, results) -> None:
         receiver(rank - num_trainers, args, inits, manifests, results)
     if num_trainers > 1 and rank < num_trainers:
         dist.destroy_process_group()
+    leave(store, rank, num_trainers + num_receivers)
+
+
+def leave(store, rank: int, world_size: int) -> None:
+    """End this rank's process once every rank is done (none leaves while a peer may still need its groups, and rank
+    0, which hosts the store, last), skipping the interpreter's shutdown. FSDP keeps the trainer ranks' gloo group
+    alive past destroy_process_group, so its worker threads outlive the work; one still letting go of its last
+    collective's tensors takes the GIL, and if the interpreter is shutting down by then, the process aborts
+    ("terminate called without an active exception", SIGABRT; pytorch#190489). The results are in the manager."""
+    store.add(f"finished/{rank}", 1)
+    store.wait([f"finished/{r}" for r in range(world_size)])
+    if rank == 0:
+        store.wait([f"left/{r}" for r in range(1, world_size)])
+    else:
+        store.set(f"left/{rank}", "1")  # unanswered: rank 0 may be gone as soon as the store has it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run(

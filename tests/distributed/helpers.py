@@ -23,10 +23,10 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
     )
     torch.set_num_threads(1)
     fn(*args)
-    # The work is done and checked (rank 0 saved its results). Under heavy load a gloo rank sometimes aborts in C++
-    # static destructors at interpreter exit ("terminate called without an active exception"), after everything
-    # succeeded; leave without running them so that shutdown noise cannot fail a parity test. Errors in fn() still
-    # propagate above and fail the test.
+    # The work is done and checked (rank 0 saved its results). Leave without the interpreter's shutdown: FSDP keeps
+    # the gloo group alive past destroy_process_group, and its worker thread letting go of the last collective's
+    # tensors takes the GIL; during shutdown that aborts the rank ("terminate called without an active exception";
+    # tests/distributed/gloo_exit_race.py forces it). Errors in fn() still propagate above and fail the test.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
