@@ -66,12 +66,17 @@ def test_changes_are_counted_bitwise_per_element_and_priced_as_a_sparse_send():
     assert m["weights/changed_fraction"] == 1.0 and m["weights/delta_bytes"] == full
 
 
-def test_a_version_sent_again_after_a_failed_attempt_is_compared_once():
-    v = {"a": torch.zeros(40, dtype=torch.bfloat16), "b": torch.zeros(8)}
+def _after_version_1(v: dict) -> tuple[ChangeTracker, tuple[Bucket, ...]]:
+    """A tracker that has compared nothing yet but holds version 1 = `v`, and `v`'s plan."""
     plan = _plan(v)
     tracker = ChangeTracker()
     _send(tracker, 1, v, plan)
-    tracker.take()
+    assert tracker.take() == {}
+    return tracker, plan
+
+
+def test_a_version_sent_again_after_a_failed_attempt_is_compared_once():
+    tracker, plan = _after_version_1({"a": torch.zeros(40, dtype=torch.bfloat16), "b": torch.zeros(8)})
     w = {"a": torch.ones(40, dtype=torch.bfloat16), "b": torch.zeros(8)}
     _send(tracker, 2, w, plan, only=0)  # the attempt died after bucket 0
     _send(tracker, 2, w, plan)  # the version again, whole
@@ -80,11 +85,7 @@ def test_a_version_sent_again_after_a_failed_attempt_is_compared_once():
 
 
 def test_a_version_never_sent_whole_is_not_what_the_next_one_is_compared_with():
-    v = {"a": torch.zeros(4, dtype=torch.bfloat16), "b": torch.zeros(4)}
-    plan = _plan(v)
-    tracker = ChangeTracker()
-    _send(tracker, 1, v, plan)
-    tracker.take()
+    tracker, plan = _after_version_1({"a": torch.zeros(4, dtype=torch.bfloat16), "b": torch.zeros(4)})
     _send(tracker, 2, {"a": torch.ones(4, dtype=torch.bfloat16), "b": torch.ones(4)}, plan, only=0)
     assert tracker.take() == {}  # bucket 1 never went out
     _send(tracker, 3, {"a": torch.ones(4, dtype=torch.bfloat16), "b": torch.ones(4)}, plan)

@@ -59,7 +59,7 @@ class ChangeTracker:
         size = element_size(bucket.dtype)
         words = flat.view(_WORDS[size])
         before = self.previous.get(index)
-        if before is None or before.numel() != words.numel():
+        if before is None:  # same plan, same sizes: a new plan cleared `previous` (begin)
             self.previous[index] = words.clone()
             self.first = True
             return
@@ -86,6 +86,5 @@ class ChangeTracker:
                 "weights/delta_bytes": delta,
                 "weights/delta_ratio": delta / self.full_bytes,
             }
-        self.changed, self.delta = [], []
-        self.first = True  # taken: nothing more for this version
+        self.changed, self.delta = [], []  # taken: nothing more for this version
         return metrics
