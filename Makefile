@@ -58,7 +58,7 @@ setup: $(DEV_STAMP)
 # (rl.toml's model.name), then the summary: held-out reward and exact reversals of base, SFT and RL, and phases.png
 demo: $(STAMP)
 	$(PY) -m slipstream model import smollm2-135m-instruct
-	$(PY) examples/reverse_text/make_sft_data.py
+	$(PY) examples/reverse_text/make_sft_data.py --min-words 4 --max-words 8
 	$(PY) -m slipstream eval -c examples/reverse_text/eval_base.toml
 	$(PY) -m slipstream sft -c $(DEMO_SFT_CONFIG)
 	$(PY) -m slipstream rl -c $(DEMO_CONFIG)

@@ -110,3 +110,28 @@ def test_sft_data_script_writes_solved_examples_in_the_word_range_asked(tmp_path
         text=True,
     )
     assert bad.returncode != 0 and "min_words <= max_words" in bad.stderr
+
+
+def test_demo_summary_takes_reference_answers_from_the_rl_runs_own_heldout_tasks(tmp_path):
+    """examples/reverse_text/summary.py: the length ratio's reference is the RL run's held-out tasks (rebuilt from its
+    resolved config), not the SFT data, which the demo writes with other text lengths."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "demo_summary", Path(__file__).parents[2] / "examples/reverse_text/summary.py"
+    )
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    config = tmp_path / "config" / "rl.toml"
+    config.parent.mkdir()
+    args = {"num_tasks": 10, "num_eval_tasks": 7, "min_words": 2, "max_words": 3}
+    config.write_text(
+        '[orchestrator.env]\nname = "reverse_text"\nargs = { num_tasks = 10, num_eval_tasks = 7, min_words = 2, max_words = 3 }\n'
+    )
+    answers = summary.heldout_answers(tmp_path)
+    expected = [t.answer for t in ReverseTextEnv(**args).tasks("eval")]
+    assert answers == [f"<reversed_text>{a}</reversed_text>" for a in expected]
+    assert all(2 <= len(a.split()) <= 3 for a in expected)
+    config.write_text('[orchestrator.env]\nname = "other"\nargs = {}\n')
+    with pytest.raises(SystemExit, match="this summary is for reverse_text"):
+        summary.heldout_answers(tmp_path)
