@@ -109,6 +109,18 @@ def test_a_server_started_alone_resolves_enforce_eager_from_its_device(device, e
     assert "--enforce-eager" in build_vllm_argv(config.model_copy(update={"enforce_eager": True}), Path("/m"))
 
 
+@pytest.mark.parametrize(("asked", "environment", "bound"), [(None, "1", "1"), (None, None, None), ("0-1", "1", "0-1")])
+def test_cpu_thread_binding_is_the_config_s_or_else_the_environment_s(asked, environment, bound):
+    """inference.cpu_threads_bind unset leaves VLLM_CPU_OMP_THREADS_BIND as the environment has it (unset: vLLM's
+    own default, auto); set, it wins."""
+    from slipstream.config.inference import InferenceConfig
+    from slipstream.inference.server import build_vllm_env
+
+    config = InferenceConfig(model={"name": "m"}, cpu_threads_bind=asked)
+    base = {} if environment is None else {"VLLM_CPU_OMP_THREADS_BIND": environment}
+    assert build_vllm_env(config, base).get("VLLM_CPU_OMP_THREADS_BIND") == bound
+
+
 def test_a_flag_vllm_does_not_know_fails():
     config = inference_config([], inference={"extra_args": ["--no-such-vllm-flag", "1"]})
     with pytest.raises(SystemExit):

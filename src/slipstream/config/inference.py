@@ -109,8 +109,10 @@ class InferenceConfig(BaseConfig):
     cpu_kv_cache_gib: int = Field(1, ge=1)
     """KV-cache size in GiB on the CPU build (VLLM_CPU_KVCACHE_SPACE)."""
 
-    cpu_threads_bind: str = "auto"
-    """OpenMP thread binding of the CPU build (VLLM_CPU_OMP_THREADS_BIND), e.g. `auto` or `0-1`."""
+    cpu_threads_bind: str | None = None
+    """OpenMP thread binding of the CPU build (VLLM_CPU_OMP_THREADS_BIND), e.g. `auto` or `0-1`. None: the
+    environment's VLLM_CPU_OMP_THREADS_BIND when set (so two servers on one machine can be given cores of their
+    own), else vLLM's `auto`."""
 
     tool_call_parser: str | None = None
     """vLLM tool-call parser for environments with tools (e.g. `hermes` for models that emit

@@ -97,9 +97,10 @@ def build_vllm_env(config: InferenceConfig, base: dict[str, str] | None = None) 
         VLLM_SERVER_DEV_MODE="1",  # enables /pause, /resume, /collective_rpc, /reset_prefix_cache
         HF_HUB_OFFLINE="1",
         VLLM_CPU_KVCACHE_SPACE=str(config.cpu_kv_cache_gib),
-        VLLM_CPU_OMP_THREADS_BIND=config.cpu_threads_bind,
         VLLM_CONFIGURE_LOGGING="1",
     )
+    if config.cpu_threads_bind is not None:  # else the environment's binding (vLLM's default: auto) stands
+        env["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
     env.update(option_env(config))  # DeepGEMM on/off
     if config.model.lora is not None:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter (the policy's adapter every step)
