@@ -1,9 +1,17 @@
-"""Shared pytest fixtures: tiny random models (built once per session, per family; treat them as read-only)."""
+"""Shared pytest fixtures: tiny random models (built once per session, per family; treat them as read-only). Under
+pytest-xdist, each worker (and every process it starts) keeps to its share of the machine's cores (tests/cores.py)."""
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+
+from tests.cores import share_cores, visible_cores
+
+if (num_threads := share_cores(os.environ, visible_cores())) is not None:
+    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="session")
