@@ -14,9 +14,9 @@ from slipstream.config.loader import validate_config
 from slipstream.eval.run import run_eval
 from slipstream.eval.server import serve_model
 from slipstream.utils.net import free_port
-from tests.e2e.helpers import MARKER_VAR, processes_with_marker
+from tests.e2e.helpers import HEALTH_TIMEOUT_S, MARKER_VAR, processes_with_marker
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(HEALTH_TIMEOUT_S + 600)]
 
 SUMMARY_KEYS = ("reward_mean", "reward_std", "reward_stderr", "reward_min", "reward_max", "pass_at_k", "tasks")
 
@@ -37,7 +37,7 @@ def _config(model_dir, **fields) -> EvalConfig:
             "cpu_kv_cache_gib": 1,
             "extra_args": ["--max-num-batched-tokens", "512"],
         },
-        "health_timeout_s": 300,
+        "health_timeout_s": HEALTH_TIMEOUT_S,
         **fields,
     }
     return validate_config(EvalConfig, data)
@@ -68,7 +68,7 @@ def test_eval_command_on_tiny_model_is_seeded(tiny_qwen3_dir, tmp_path, monkeypa
 
     config = _config(tiny_qwen3_dir)
     inference = config.inference.model_copy(update={"port": free_port()})
-    with serve_model(inference, tiny_qwen3_dir, tmp_path / "server.log", 300) as url:
+    with serve_model(inference, tiny_qwen3_dir, tmp_path / "server.log", HEALTH_TIMEOUT_S) as url:
         again = run_eval(_config(tiny_qwen3_dir, inference_url=url))
         other = run_eval(_config(tiny_qwen3_dir, inference_url=url, seed=12))
     for key in SUMMARY_KEYS:

@@ -29,13 +29,13 @@ from slipstream.inference.admin_token import TOKEN_ENV
 from slipstream.inference.deployment import router_argv
 from slipstream.orchestrator.client import InferenceClient
 from slipstream.utils.net import free_port
-from tests.e2e.helpers import processes_with_marker, tiny_rl_config, write_config
+from tests.e2e.helpers import HEALTH_TIMEOUT_S, processes_with_marker, tiny_rl_config, write_config
 from tests.e2e.test_inference_router import NUM_TURNS, play_rollout
 from tests.e2e.test_rl_tiny import _read_jsonl
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.timeout(900),
+    pytest.mark.timeout(HEALTH_TIMEOUT_S + 600),
     pytest.mark.skipif(
         shutil.which("vllm-router") is None and not (Path(sys.executable).parent / "vllm-router").exists(),
         reason="vllm-router is not installed (pip install -e '.[dev]')",
@@ -155,7 +155,7 @@ def test_two_vllm_replicas_behind_the_router_keep_or_spread_rollouts_and_take_ev
         )  # fmt: skip
     routers: list[subprocess.Popen] = []
     try:
-        _wait_http(f"{inference_config.url}/health", inference, inference_log, 300)
+        _wait_http(f"{inference_config.url}/health", inference, inference_log, HEALTH_TIMEOUT_S)
         for url in urls:
             _wait_http(f"{url}/health", inference, inference_log, 60)
 

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from tests.e2e.helpers import child_processes, processes_with_marker, tiny_rl_config, write_config
+from tests.e2e.helpers import HEALTH_TIMEOUT_S, child_processes, processes_with_marker, tiny_rl_config, write_config
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(HEALTH_TIMEOUT_S + 600)]
 MAX_STEPS = 6
 VLLM_SIGNATURE = "vllm.entrypoints.openai.api_server"
 
@@ -41,7 +41,7 @@ def test_killed_inference_is_restarted_and_the_run_loses_no_step(tiny_qwen3_dir,
         text=True,
     )
     try:
-        deadline = time.monotonic() + 500
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S + 200  # vLLM starts, then a step and its check run
         # kill once inference serves trained weights (version >= 1), so the restarted server must be given them
         while not any(c.get("passed") for c in _read_jsonl(out / "weight_checks.jsonl")):
             assert launcher.poll() is None, launcher.communicate()

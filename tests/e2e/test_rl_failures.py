@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from tests.e2e.helpers import child_processes, processes_with_marker, tiny_rl_config, write_config
+from tests.e2e.helpers import HEALTH_TIMEOUT_S, child_processes, processes_with_marker, tiny_rl_config, write_config
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(HEALTH_TIMEOUT_S + 300)]
 
 # how each direct child of the launcher is recognised in its command line
 CHILD_SIGNATURE = {
@@ -37,7 +37,7 @@ def test_killing_a_child_stops_the_run_and_names_it(victim, tiny_qwen3_dir, tmp_
         text=True,
     )
     try:
-        deadline = time.monotonic() + 400
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S + 100  # vLLM starts, then a step runs
         while not (out / "metrics.jsonl").exists():  # all three children are up and a step has run
             assert launcher.poll() is None, launcher.communicate()
             assert time.monotonic() < deadline, "the run never reached its first step"

@@ -20,10 +20,10 @@ from slipstream.rundir import RunDir
 from slipstream.trainer.rl import run_trainer
 from slipstream.transport.tenants import read_status
 from slipstream.weights.send.lora_export import ADAPTER_WEIGHTS
-from tests.e2e.helpers import free_port, processes_with_marker, tiny_rl_config, write_config
+from tests.e2e.helpers import HEALTH_TIMEOUT_S, free_port, processes_with_marker, tiny_rl_config, write_config
 from tests.e2e.test_rl_tiny import LOGPROB_TOLERANCE, _read_jsonl
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(HEALTH_TIMEOUT_S + 600)]
 
 LORA = {"rank": 8, "alpha": 16.0, "max_loras": 2}
 STEPS = 3
@@ -77,14 +77,14 @@ def test_two_tenants_share_one_trainer_and_vllm(tiny_qwen3_dir, tmp_path, run_en
         "tenants_dir": str(root),
         "inference": {"port": port, "seed": 7, "max_model_len": 512, "max_num_seqs": 16, "cpu_kv_cache_gib": 1},
         "trainer": {"max_tenants": 2, "device": "cpu", "num_threads": 1},
-        "health_timeout_s": 300,
+        "health_timeout_s": HEALTH_TIMEOUT_S,
         "shutdown_grace_s": 5,
     }
     server_cfg = write_config(tmp_path / "server.toml", server)
     # The tenants take the admin token from <tenants_dir>/admin_token, written by the server.
     procs = {"server": _start(["tenant-server", "-c", str(server_cfg)], env, logs / "server.log")}
     try:
-        _wait(lambda: _healthy(port), "vLLM /health", 300, procs, logs)
+        _wait(lambda: _healthy(port), "vLLM /health", HEALTH_TIMEOUT_S, procs, logs)
         procs["a"] = _tenant_run(tmp_path, tiny_qwen3_dir, root, port, "a", 1, env)
         procs["b"] = _tenant_run(tmp_path, tiny_qwen3_dir, root, port, "b", 2, env)
         a_dir, b_dir = root / "a", root / "b"

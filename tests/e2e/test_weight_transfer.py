@@ -15,9 +15,16 @@ import pytest
 
 from slipstream.weights.wire.offers import ACCEPT, DELIVERED
 from slipstream.weights.wire.published import READY, weights_dir
-from tests.e2e.helpers import child_processes, free_port, processes_with_marker, tiny_rl_config, write_config
+from tests.e2e.helpers import (
+    HEALTH_TIMEOUT_S,
+    child_processes,
+    free_port,
+    processes_with_marker,
+    tiny_rl_config,
+    write_config,
+)
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(HEALTH_TIMEOUT_S + 600)]
 MAX_STEPS = 6
 VLLM_SIGNATURE = "vllm.entrypoints.openai.api_server"
 
@@ -78,7 +85,7 @@ def test_gloo_transfer_through_vllm_survives_a_kill_mid_transfer(tiny_qwen3_dir,
         text=True,
     )
     try:
-        frozen = _freeze_mid_transfer(out, launcher, time.monotonic() + 500)
+        frozen = _freeze_mid_transfer(out, launcher, time.monotonic() + HEALTH_TIMEOUT_S + 200)
         for proc in _vllm_tree(launcher.pid):
             os.kill(proc.pid, signal.SIGKILL)
         stdout, stderr = launcher.communicate(timeout=700)
