@@ -165,7 +165,29 @@ def _run_config_command(command: str, rest: list[str]) -> int:
             file=sys.stderr,
         )
         return 1
-    return int(result or 0)
+    rc = int(result or 0)
+    if command in _RANK_COMMANDS and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        _leave_rank(rc)
+    return rc
+
+
+_RANK_COMMANDS = {"trainer", "sft", "tenant-trainer"}
+"""Commands torchrun starts once per rank (WORLD_SIZE > 1): they end through `_leave_rank`."""
+
+
+def _leave_rank(rc: int) -> None:
+    """End a torchrun rank whose work is done (every rank met in teardown_trainer's barrier and the process group is
+    destroyed) without the interpreter's shutdown. FSDP keeps the gloo group alive past destroy_process_group, and its
+    worker thread letting go of the last collective's tensors takes the GIL; if the interpreter is shutting down by
+    then, the rank aborts ("terminate called without an active exception", SIGABRT) and torchrun reports a failed run
+    whose work had succeeded (tests/distributed/gloo_exit_race.py forces the ordering). Logs and output are flushed
+    first; errors never come here (they propagate, and the process fails as usual)."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def _print_help(command: str, config_cls: type, rows: list[tuple[str, str, str]]) -> None:
