@@ -192,7 +192,9 @@ def test_security_tests_fail_rather_than_skip_without_isolation(tmp_path):
     test.write_text("import pytest\n\n@pytest.mark.usefixtures('require_isolation')\ndef test_x():\n    pass\n")
     conftest = Path(__file__).resolve().parents[1] / "conftest.py"
     (Path(tmp_path) / "conftest.py").write_text(conftest.read_text())
-    env = {**os.environ, "PATH": "/nonexistent"}  # no bwrap on PATH
+    root = str(Path(__file__).resolve().parents[2])  # the copied conftest imports tests.cores
+    pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PATH": "/nonexistent", "PYTHONPATH": pythonpath}  # no bwrap on PATH
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", str(test)],
         capture_output=True, text=True, env=env, cwd=tmp_path,
