@@ -179,3 +179,24 @@ def test_checksum_tells_swapped_words_and_single_bits_apart():
     sign = w.clone()
     sign[[10, 12]] ^= -(2**31)  # two sign flips: what a sum of 64-bit words would miss
     assert not torch.equal(checksum(sign.view(torch.uint8)), checksum(flat))
+
+
+def test_changes_are_counted_even_when_the_bucket_goes_whole():
+    old = _bucket(torch.bfloat16, 100, seed=14)
+    new = old.clone()
+    delta.words(new, 2)[:3] ^= 1
+    assert encode(new, old, 2).changed == 3 and encode(new, old, 2, full=True).changed == 3
+    assert encode(new, old, 2, full=True).header.mode == FULL and encode(new, None, 2).changed is None
+
+
+def test_manifest_carries_the_delta_flag_for_one_sender_only():
+    from slipstream.weights.wire.stream import Bucket, Manifest, TensorMeta
+
+    plan = (Bucket("bfloat16", (TensorMeta("w", "bfloat16", (4, 4)),)),)
+    data = Manifest(3, plan, delta=True).to_dict()
+    assert data["delta"] is True and Manifest.from_dict(data).delta
+    assert "delta" not in Manifest(3, plan).to_dict() and not Manifest.from_dict(Manifest(3, plan).to_dict()).delta
+    with pytest.raises(ValueError, match="'delta' must be true or false"):
+        Manifest.from_dict(data | {"delta": "yes"})
+    with pytest.raises(ValueError, match="one sender"):
+        Manifest.from_dict(data | {"senders": 2})

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from slipstream.weights.receive.bucket_receive import DirectLoader, ReceiveBuffers, receive_buckets
+from slipstream.weights.receive.delta_receive import DeltaMirror, DeltaStats, receive_delta
 from slipstream.weights.wire.collective import GroupInit, close_group, open_group, open_store
 from slipstream.weights.wire.published import INCOMPLETE_MARKER
 from slipstream.weights.wire.shared_buffer import bucket_offsets, open_shared
@@ -32,15 +33,20 @@ class ReceiveStats:
     """"broadcast", "shared memory" or the folder read."""
     names: frozenset[str] = frozenset()
     """Every tensor of the version (what the loader must have been handed)."""
+    delta: DeltaStats | None = None
+    """A delta-encoded broadcast: what it carried."""
 
     def to_dict(self) -> dict:
-        return {
+        data = {
             "step": self.step,
             "num_tensors": self.num_tensors,
             "num_bytes": self.num_bytes,
             "seconds": round(self.seconds, 4),
             "source": self.source,
         }
+        if self.delta is not None:
+            data["delta"] = self.delta.to_dict()
+        return data
 
 
 class WeightReceiver:
@@ -56,6 +62,8 @@ class WeightReceiver:
         self.buffers = ReceiveBuffers(device)
         """Bucket buffers kept from one version to the next: 2 of the largest bucket (with several senders, 2 more
         once a bucket has to be laid out whole)."""
+        self.mirror = DeltaMirror(device)
+        """Delta updates: the last version's buckets (weights/receive/delta_receive.py), for this session only."""
 
     def join(self, init: GroupInit) -> None:
         """Join the sender's group of `init.session` (blocks until the sender and every receiver joined)."""
@@ -75,6 +83,7 @@ class WeightReceiver:
         senders' pieces straight from its wire buffer (weights/receive/bucket_receive.py); `load` gets every other
         one."""
         start = time.perf_counter()
+        delta = None
         step = update_info.get("step") if isinstance(update_info, dict) else None
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"update_info must be an object with an integer 'step' >= 0 (got {update_info!r:.200})")
@@ -101,18 +110,25 @@ class WeightReceiver:
                         "weights arrive by broadcast but this worker has not joined the sender's group: call "
                         "/init_weight_transfer_engine first"
                     )
-                for pairs in receive_buckets(self.group, manifest, self.device, self.buffers, direct):
-                    load(pairs)
+                if manifest.delta:
+                    delta = DeltaStats()
+                    for pairs in receive_delta(self.group, manifest, self.mirror, delta):
+                        load(pairs)
+                else:
+                    for pairs in receive_buckets(self.group, manifest, self.device, self.buffers, direct):
+                        load(pairs)
                 source = "broadcast"
             names, num_bytes = {t.name for b in manifest.buckets for t in b.tensors}, manifest.nbytes
         else:
             raise ValueError(f"update_info needs 'path', 'model' or 'manifest' (got keys {sorted(update_info)})")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return ReceiveStats(step, len(names), num_bytes, time.perf_counter() - start, source, frozenset(names))
+        seconds = time.perf_counter() - start
+        return ReceiveStats(step, len(names), num_bytes, seconds, source, frozenset(names), delta)
 
     def shutdown(self) -> None:
         self.buffers.release()
+        self.mirror.release()
         close_group(self.group)
         self.group, self.store, self.init = None, None, None
 

@@ -14,6 +14,13 @@ torch reductions on the bucket's device (no copy to the host, unlike vLLM's sha2
 compute_weight_checksums, which pulls the model to the CPU), and a word differs from another by less than 2**33, so it
 catches every change of one or two words (swapped values, a wrong index) and a random corruption with odds of about
 2**-64. It guards against accidents (a stale base, a bug, a flipped byte), not against an adversary.
+
+On the wire (a manifest with `delta`, broadcast from one sender: weights/send/delta_send.py, receive/delta_receive.py):
+per bucket in plan order, the header (int64 [HEADER_WORDS]), then its payload when it has bytes (the header says how
+many). After the last bucket, the *repair round*: an all-reduce (SUM) of one int32 flag per bucket, 1 from each receiver
+whose bucket failed its checksum (or that had no base for a sparse one), then the sender broadcasts every flagged
+bucket whole, in plan order (the receivers check it against the header's checksum again). So a corrupted delta is
+never loaded, and the version still arrives whole in the same update.
 """
 
 import functools
@@ -80,6 +87,8 @@ class Encoded:
     header: Header
     payload: torch.Tensor
     """uint8: the new bytes (FULL; the caller's tensor itself, not a copy), or indices then values (SPARSE)."""
+    changed: int | None = None
+    """Elements whose bits changed (None: there was nothing to compare with)."""
 
 
 def words(flat: torch.Tensor, element_size: int) -> torch.Tensor:
@@ -115,10 +124,11 @@ def _positions(n: int, device: torch.device) -> torch.Tensor:
 def encode(new: torch.Tensor, old: torch.Tensor | None, element_size: int, full: bool = False) -> Encoded:
     """Encode a bucket's `new` bytes (uint8) against the same bucket's `old` bytes (None: no previous version), in a
     dtype of `element_size` bytes. SPARSE when the changed elements' indices and values take fewer bytes than the
-    bucket, else FULL (and always when `full`). One host sync (the number of changed elements)."""
+    bucket, else FULL (and always when `full`, which still counts the changes). One host sync (the number of changed
+    elements)."""
     sums = tuple(int(v) for v in checksum(new).tolist())
     nbytes = new.numel()
-    if full or old is None or nbytes // element_size > MAX_SPARSE_ELEMENTS:
+    if old is None or nbytes // element_size > MAX_SPARSE_ELEMENTS:
         return Encoded(Header(FULL, 0, sums), new)
     if old.numel() != nbytes:
         raise ValueError(f"the previous version of this bucket has {old.numel()} bytes, the new one {nbytes}")
@@ -126,13 +136,13 @@ def encode(new: torch.Tensor, old: torch.Tensor | None, element_size: int, full:
     changed = (new_w != words(old, element_size)).nonzero().view(-1)
     count = changed.numel()
     size = sparse_bytes(count, element_size)
-    if size >= nbytes:
-        return Encoded(Header(FULL, 0, sums), new)
+    if full or size >= nbytes:
+        return Encoded(Header(FULL, 0, sums), new, count)
     payload = torch.zeros(size, dtype=torch.uint8, device=new.device)
     at = index_bytes(count)
     payload[: count * INDEX_BYTES].view(torch.int32).copy_(changed)
     words(payload[at:], element_size).copy_(new_w[changed])
-    return Encoded(Header(SPARSE, count, sums), payload)
+    return Encoded(Header(SPARSE, count, sums), payload, count)
 
 
 def apply(header: Header, payload: torch.Tensor, base: torch.Tensor, element_size: int) -> bool:

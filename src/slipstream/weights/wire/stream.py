@@ -87,6 +87,9 @@ class Manifest:
     senders: int = 1
     """Trainer ranks that send (ranks 0 .. senders - 1 of the transfer group; receivers follow). With more than one,
     every bucket has a rows table saying which rows of each tensor each of them sends (weights/wire/pieces.py)."""
+    delta: bool = False
+    """Every bucket travels delta-encoded (weights/wire/delta.py: a header, then the changed elements or the whole
+    bucket), and a repair round follows the last bucket."""
 
     def __post_init__(self) -> None:
         for i, bucket in enumerate(self.buckets):
@@ -95,6 +98,8 @@ class Manifest:
                     f"weight manifest: buckets[{i}] is split among {bucket.senders} sender(s) ("
                     f"{'a' if bucket.rows is not None else 'no'} rows table), the manifest has {self.senders}"
                 )
+        if self.delta and self.senders > 1:
+            raise ValueError("weight manifest: delta-encoded buckets come from one sender")
 
     @property
     def nbytes(self) -> int:
@@ -112,6 +117,8 @@ class Manifest:
         }
         if self.senders > 1:
             data["senders"] = self.senders
+        if self.delta:
+            data["delta"] = True
         return data
 
     @staticmethod
@@ -128,10 +135,13 @@ class Manifest:
         senders = data.get("senders", 1)
         if not _is_int(senders) or senders < 1:
             raise ValueError(f"weight manifest: 'senders' must be an integer >= 1, got {senders!r:.100}")
+        delta = data.get("delta", False)
+        if not isinstance(delta, bool) or (delta and senders > 1):
+            raise ValueError(f"weight manifest: 'delta' must be true or false (one sender only), got {delta!r:.100}")
         last = _LAST_PARSED
         if last is not None and senders == last[2] and buckets == last[0]:  # one C-level comparison: the plan rarely
-            return Manifest(step, last[1], senders)  # changes between versions
-        parsed = Manifest(step, tuple(_parse_bucket(b, i, senders) for i, b in enumerate(buckets)), senders)
+            return Manifest(step, last[1], senders, delta)  # changes between versions
+        parsed = Manifest(step, tuple(_parse_bucket(b, i, senders) for i, b in enumerate(buckets)), senders, delta)
         _remember(parsed)
         return parsed
 
