@@ -3,9 +3,30 @@ are kept on disk."""
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from slipstream.config.base import BaseConfig
+
+
+class DeltaConfig(BaseConfig):
+    """Delta updates (`[weights.delta]`): each bucket of a version goes either whole or as the elements that changed
+    since the version before (an int32 index and the new value each), whichever is smaller, with a checksum of the
+    bucket's full new bytes; inference applies a delta onto its copy of the version before and loads the whole bucket
+    only once the checksum matches, so it loads exactly what a full send carries. A bucket that fails (a corrupted
+    delta, a stale copy) goes again whole within the same update.
+
+    Costs one copy of the published weights on trainer rank 0's device and one on every inference worker's (the
+    version before), a comparison of every bucket on rank 0 and a checksum of every bucket on both sides. Rank 0 sends
+    every bucket after gathering it (delta updates do not use every rank sending its own rows). Runs on the `gloo`
+    transport so far (the GPU half, NCCL, is not served yet); not with `model.lora` (adapters go through files)."""
+
+    enabled: bool = False
+    """Send versions as deltas (needs weights.transport = "gloo")."""
+
+    full_every: int = Field(10, ge=1)
+    """Every this many versions one goes whole, whatever changed (1: every version). A version also goes whole when
+    it is the first, when inference restarted or reconnected (a new transfer session), when the bucket plan changed,
+    and after an attempt that failed."""
 
 
 class WeightsConfig(BaseConfig):
@@ -40,6 +61,9 @@ class WeightsConfig(BaseConfig):
     shape, 1 -> 1 H200: 0.75-0.77 -> 0.79-0.83 of raw NCCL bandwidth, benchmarks/RESULTS.md). None: every bucket
     up to `bucket_mb`, in the model's order (as the stream after a gather and the filesystem transport always are)."""
 
+    delta: DeltaConfig = DeltaConfig()
+    """Send each version as the elements that changed since the one before, checked by a checksum (off by default)."""
+
     track_changes: bool = False
     """Measure how much of each version changed since the one before, as a delta update would send it (trainer rank 0,
     bitwise in the published dtype): `weights/changed_fraction` (elements whose bits differ), `weights/delta_bytes`
@@ -55,6 +79,23 @@ class WeightsConfig(BaseConfig):
     """TCP port of the trainer's rendezvous store (collective transports). 0 (default): `slipstream rl` picks a port
     free on the trainer's node when it launches trainer and orchestrator there (two runs on one node never collide);
     set a fixed port when the trainer and the orchestrator are started separately (by hand, or on different nodes)."""
+
+    @model_validator(mode="after")
+    def _check_delta(self) -> "WeightsConfig":
+        if not self.delta.enabled:
+            return self
+        if self.transport != "gloo":
+            raise ValueError(
+                f"weights.delta.enabled sends changed elements by broadcast, so far over gloo only (weights.transport "
+                f'is "{self.transport}"; NCCL is the GPU half of issue #40, and files and shared memory carry whole '
+                'versions): set weights.transport = "gloo", or weights.delta.enabled = false'
+            )
+        if self.track_changes:
+            raise ValueError(
+                "weights.delta.enabled reports weights/changed_fraction and the bytes it sent itself, from the copy "
+                "of the version before it keeps anyway: set weights.track_changes = false"
+            )
+        return self
 
     def store_port(self, who: str) -> int:
         """master_port, checked for a process that opens or announces the store (`who`, for the message)."""

@@ -25,6 +25,7 @@ from slipstream.trainer.setup import Trainer
 from slipstream.transport.checkpoints import is_checkpoint_step
 from slipstream.utils.fs import atomic_write_text, commit_dir
 from slipstream.weights.send.changes import ChangeTracker
+from slipstream.weights.send.delta_send import DeltaSender
 from slipstream.weights.send.export import HFWeightStream
 from slipstream.weights.send.folder import (
     PublishedFiles,
@@ -107,7 +108,18 @@ class WeightPublisher:
         """The last version offered from `shared`: the next one waits until inference has taken it."""
         self.pieces: PieceSender | None = None
         """Every rank sends its own rows by broadcast (None: rank 0 sends after a gather)."""
-        if self.transport in ("nccl", "gloo"):
+        self.delta: DeltaSender | None = None
+        """`weights.delta` (rank 0): each version sent as changes since the one before (weights/send/delta_send.py)."""
+        if config.weights.delta.enabled:
+            if self.lora is not None:
+                raise ValueError(
+                    "weights.delta sends full-model versions as changes, but with model.lora the trainer publishes "
+                    "only the adapter (through files): set weights.delta.enabled = false"
+                )
+            if self.is_main:
+                self.delta = DeltaSender(config.weights.delta.full_every, trainer.device)
+            log.info("weights: delta updates; trainer rank 0 sends every bucket after gathering it")
+        elif self.transport in ("nccl", "gloo"):
             try:
                 edge = config.weights.edge_bucket_mb
                 plan = self.buckets
@@ -156,7 +168,7 @@ class WeightPublisher:
         if self.pieces is not None and self.transport != "filesystem":
             manifest = self.pieces.manifest(step)
         else:
-            manifest = Manifest(step, self.buckets)
+            manifest = Manifest(step, self.buckets, delta=self.config.weights.delta.enabled)
         t_probe = time.perf_counter()
         if self.lora is not None:
             return self._publish_adapter(step, probe) | {"weights/probe_s": t_probe - start}
@@ -171,6 +183,8 @@ class WeightPublisher:
             attempts, waited = self._publish_broadcast(step, stream, manifest, probe)
         seconds = time.perf_counter() - t_probe - waited
         changes = self.changes.take() if self.changes is not None else {}
+        if self.delta is not None:
+            changes |= self.delta.take()
         return changes | {
             "weights/bytes": float(manifest.nbytes),
             "weights/send_s": seconds,
@@ -295,7 +309,12 @@ class WeightPublisher:
         sender = None
         if accept is not None:
             self._join(accept)
-            sender = TolerantSink(BroadcastSink(self.group, self.trainer.device, synchronize=False))
+            if self.delta is not None:
+                assert self.session is not None  # set with the group by _join
+                self.delta.begin(manifest.step, manifest.buckets, self.group, self.session)
+                sender = TolerantSink(self.delta)
+            else:
+                sender = TolerantSink(BroadcastSink(self.group, self.trainer.device, synchronize=False))
             sinks.append(sender)
             if folder is not None:
                 sinks.append(SafetensorsSink(folder, len(manifest.buckets)))
