@@ -11,6 +11,8 @@ Dataflow of version N (the policy after trainer step N; version 0 is the startin
       wire/bucket_assembly.py  runs copied (and cast) into reused bucket buffers; each complete bucket to the sinks
       send/piece_send.py    or, when the sharding allows, every rank casts its own rows: its *piece* of each bucket
       send/changes.py       (`weights.track_changes`) what changed since the version before, as a delta would send it
+      send/delta_send.py    (`weights.delta`, gloo) each bucket as its changed elements or whole, whichever is smaller,
+                            with a checksum (wire/delta.py); flagged buckets again whole in the repair round
       send/publish.py       *publish* by `weights.transport`:
         filesystem          safetensors shards + config + probe.json + READY in `weights/step_N/` (send/folder.py)
         nccl / gloo         *offer* (wire/offers.py); the orchestrator ACCEPTs it for a *session*; one broadcast per
@@ -24,6 +26,7 @@ Dataflow of version N (the policy after trainer step N; version 0 is the startin
       receive/engine.py     vLLM's weight-transfer engine `slipstream` (registered by inference/vllm_plugin.py)
       receive/receiver.py   joins the session, takes the version from the folder, the broadcast or the shared buffer
       receive/bucket_receive.py  receives bucket k+1 while bucket k is loaded; lays several senders' pieces out whole
+      receive/delta_receive.py   a delta onto the *mirror* of the version before, checked, then the whole bucket loads
       receive/copy_plan.py  the first version goes through vLLM's loaders, watched (receive/load_recorder.py); when
                             they only copied, later versions replay the *copy plan* into the parameters
       receiver.check_loaded every tensor of the version reached the loader, else the update fails (HTTP 500)
@@ -56,8 +59,11 @@ Glossary (the words of this package, as the code uses them):
 - copy plan: per loader call, the copies from views of the received tensors into views of the parameters, replayed as
   one fused copy per bucket; refused on vLLM's CPU build (it repacks linear weights), kept on bf16 GPU layers.
 - probe: the trainer's log-probs of a fixed text under version N (probe.json), which the orchestrator compares with
-  inference's after each load. No checksum travels: completeness is the engine's name accounting, correctness the
-  probe.
+  inference's after each load. Completeness is the engine's name accounting, correctness the probe; only delta
+  updates carry a checksum (of each bucket's full new bytes).
+- delta: a bucket sent as the elements whose bits changed since the version before (int32 indices + new values), when
+  that is smaller than the bucket; the receiver's *mirror* holds the version before of every bucket (one copy of the
+  published weights), and a bucket whose checksum fails goes again whole in the version's *repair round*.
 
 Layers: `wire/` (what both sides agree on) imports nothing of `send/` or `receive/`; `receive/` (vLLM's workers)
 imports `wire/` only, never `send/`, `slipstream.trainer`, `slipstream.parallel` or `slipstream.models`, so a vLLM

@@ -9,8 +9,8 @@ checksum) flags it in the repair round and gets it whole; the version is loaded 
 
 Memory: one copy of the published weights on rank 0's device (the bytes of the version last sent), made at the first
 version, plus each sparse bucket's payload while it is sent. Host syncs: one per bucket (its number of changed
-elements sizes the payload) and the repair round's flags: on CUDA that would stall the pipelined send (NCCL is not
-served yet; see docs/weight_transfer.md).
+elements sizes the payload) and the repair round's flags: on CUDA that would stall the pipelined send and, unlike
+send/send_watch.py, hang on a dead receiver (NCCL is not served yet: issue #40's GPU half).
 """
 
 import torch
