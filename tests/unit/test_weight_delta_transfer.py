@@ -227,3 +227,45 @@ def test_a_new_session_starts_with_a_full_version(transfer):
     metrics, got, _ = second.send(sender, 3, v3)
     assert metrics["weights/delta_full_version"] == 1.0 and metrics["weights/delta_resent_buckets"] == 0
     _assert_loaded(got, v3)
+
+
+def _alone() -> "torch.distributed.ProcessGroup":
+    """A gloo group of the sender alone: its broadcasts and all-reduces complete at once (the sender's bookkeeping)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
+
+
+def _send_all(sender: DeltaSender, step: int, model: dict, group, session: str, plan=PLAN, close=True) -> dict:
+    sender.begin(step, plan, group, session)
+    for i, bucket in enumerate(plan):
+        sender.send(i, bucket, _flat(model, bucket))
+    if close:
+        sender.close()
+    return sender.take()
+
+
+def test_an_attempt_that_never_completed_or_a_new_plan_makes_the_next_version_whole():
+    group = _alone()
+    sender = DeltaSender(full_every=10, device=torch.device("cpu"))
+    v1 = _model()
+    v2 = _step(v1, seed=2)
+    assert _send_all(sender, 1, v1, group, "s")["weights/delta_full_version"] == 1.0
+    assert _send_all(sender, 2, v2, group, "s")["weights/delta_full_version"] == 0.0
+    v3 = _step(v2, seed=3)
+    assert _send_all(sender, 3, v3, group, "s", close=False) == {}  # the attempt failed before its repair round
+    assert _send_all(sender, 3, v3, group, "s")["weights/delta_full_version"] == 1.0  # sent again: whole
+    v4 = _step(v3, seed=4)
+    assert _send_all(sender, 4, v4, group, "s")["weights/delta_full_version"] == 0.0
+    plan = (PLAN[1], PLAN[0], PLAN[2])  # another bucket plan
+    assert _send_all(sender, 5, _step(v4, seed=5), group, "s", plan=plan)["weights/delta_full_version"] == 1.0
+    with pytest.raises(RuntimeError, match="2 of 3 buckets were sent"):
+        sender.begin(6, PLAN, group, "s")
+        for i in (0, 1):
+            sender.send(i, PLAN[i], _flat(v4, PLAN[i]))
+        sender.close()
+    assert sender.previous == {} and sender.take() == {}
+    with pytest.raises(ValueError, match="full_every must be >= 1"):
+        DeltaSender(full_every=0, device=torch.device("cpu"))

@@ -40,14 +40,14 @@ class DeltaSender:
         self.full = True
         self.metrics: dict[str, float] = {}
         self._sent: set[int] = set()
-        self._done = False
-        """The attempt begun last sent every bucket and its repair round."""
+        self._done = True
+        """The attempt begun last sent every bucket and its repair round (True before the first: nothing to forget)."""
         self._taken = True
 
     def begin(self, step: int, plan: tuple[Bucket, ...], group: "dist.ProcessGroup", session: str) -> None:
         """Start an attempt to send version `step` with `plan` to the receivers of `session` on `group`."""
-        if plan != self.plan or session != self.session:
-            self.previous = {}
+        if plan != self.plan or session != self.session or not self._done:
+            self.previous = {}  # a new receiving side, or the attempt before never completed its repair round
         self.plan, self.session, self.group = plan, session, group
         self.full = not self.previous or self.since_full + 1 >= self.full_every
         self._sent, self._done = set(), False
