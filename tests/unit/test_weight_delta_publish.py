@@ -117,7 +117,6 @@ def test_delta_versions_load_exactly_what_a_full_publish_writes(tiny_qwen3_dir, 
         assert m["weights/delta_bytes_sent"] == stats[step]["wire_bytes"]
     assert results[2]["weights/delta_bytes_sent"] < 0.05 * full and results[2]["weights/delta_resent_buckets"] == 0
     assert results[3]["weights/delta_resent_buckets"] == 1 and stats[3]["repaired"] == 1
-    print({s: (m["weights/delta_bytes_sent"], m["weights/full_bytes"]) for s, m in results.items()})
 
 
 def test_delta_config_refuses_what_it_cannot_serve_yet():
