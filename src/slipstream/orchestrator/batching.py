@@ -29,6 +29,7 @@ import numpy as np
 from slipstream.orchestrator.routing import align_routing, no_route, pack_routing
 from slipstream.rollout.record import Rollout
 from slipstream.transport.rollouts import MicroBatch, SampleImages, TrainingBatch, write_batch
+from slipstream.transport.shared_prefix import leading_run, shareable_tokens
 from slipstream.utils.images import message_image_bytes
 
 
@@ -137,19 +138,17 @@ def _routing_rows(sample: Sample, n: int) -> np.ndarray | None:
 
 
 def shared_prefix_len(samples: Sequence[Sample]) -> int:
-    """Longest prefix that all `samples` may share: equal token ids, no loss token in any sample, equal router
-    replay rows (a sample without routing counts as not routed); at least one token of each sample is left."""
-    n = min(s.num_tokens for s in samples) - 1
-    if n <= 0:
-        return 0
-    ids_SN = np.array([s.input_ids[:n] for s in samples])
-    shareable_N = (ids_SN == ids_SN[0]).all(0) & ~np.array([s.loss_mask[:n] for s in samples]).any(0)
-    if any(s.routed_experts is not None for s in samples):
+    """Longest prefix that all `samples` may share: transport/shared_prefix.py's rule (equal token ids, no loss token
+    in any sample, at least one token of each sample left), and equal router replay rows (a sample without routing
+    counts as not routed)."""
+    shareable_N = shareable_tokens([s.input_ids for s in samples], [s.loss_mask for s in samples])
+    n = len(shareable_N)
+    if n and any(s.routed_experts is not None for s in samples):
         known = next(r for s in samples if (r := _routing_rows(s, n)) is not None)
         rows = [_routing_rows(s, n) for s in samples]
         rows_SNLK = np.stack([np.full_like(known, -1) if r is None else r for r in rows])
         shareable_N &= (rows_SNLK == rows_SNLK[0]).all(axis=(0, 2, 3))
-    return n if shareable_N.all() else int(np.argmin(shareable_N))
+    return leading_run(shareable_N)
 
 
 def build_trees(groups: Sequence[Sequence[Sample]], micro_batch_tokens: int, min_prefix_tokens: int) -> list[Unit]:
