@@ -223,9 +223,7 @@ def custom_hidden(
     `model.packed_attention = "flex"` trees stay trees (flex_attention takes their block mask). Models whose layers
     cannot take a tree at all (recurrent linear attention: `supports_prefix_trees = False`) get samples everywhere."""
     device = input_ids_T.device
-    takes_trees = getattr(model, "supports_prefix_trees", True)
-    on_device = device.type in EXPAND_TREES_ON and model.packed_attention != "flex"
-    if layout.num_branches and (on_device or not takes_trees):
+    if layout.num_branches and not runs_prefix_trees(model, device):
         source_E, own_T = expand_trees(position_ids_T)
         replay_ERA = None if replay_TRA is None else replay_TRA[source_E]
         expanded = build_padded_layout(position_ids_T[source_E])
@@ -240,6 +238,15 @@ def custom_hidden(
     # Pads continue their row's positions: each row is then one causal sample (or tree), whatever its pads are.
     position_ids_BL = padded_position_ids(position_ids_T, layout)
     return pack(model.forward_hidden(input_ids_BL, position_ids_BL, None, replay_BLRA), layout)
+
+
+def runs_prefix_trees(model: nn.Module, device: torch.device, context_parallel: bool = False) -> bool:
+    """Does `packed_logprobs` run a prefix tree as a tree (its shared prefix computed once) rather than write it out
+    as its samples? Our models that take trees do, under context parallelism (its masked attention takes any rows)
+    and off CUDA unless `packed_attention` is "flex" (custom_hidden); transformers models never do (hf_hidden)."""
+    if not is_custom_model(model) or not getattr(model, "supports_prefix_trees", True):
+        return False
+    return context_parallel or device.type not in EXPAND_TREES_ON or model.packed_attention == "flex"
 
 
 def check_replay(model: nn.Module, replay_TRA: Tensor, num_tokens: int) -> None:

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from slipstream.models.common.prefix_tree import parent_index
 from slipstream.parallel.cp import ContextParallel
-from slipstream.trainer.logprobs import DEFAULT_CHUNK_SIZE, packed_logprobs
+from slipstream.trainer.logprobs import DEFAULT_CHUNK_SIZE, packed_logprobs, runs_prefix_trees
 
 if TYPE_CHECKING:
     from slipstream.trainer.data import PaddedLayout
@@ -74,6 +74,11 @@ class Policy(nn.Module):
             return None
         parent_T = None if position_ids_T is None else parent_index(position_ids_T)
         return self.context_parallel.owned_tokens(num_tokens, device, parent_T)
+
+    def runs_prefix_trees(self, device: torch.device) -> bool:
+        """Does this policy compute a prefix tree's shared prefix once (logprobs.runs_prefix_trees), rather than write
+        the tree out as its samples?"""
+        return runs_prefix_trees(self.model, device, self.context_parallel is not None)
 
 
 def load_model(model_dir: Path, impl: str, vlm: bool = False) -> tuple[nn.Module, str]:

@@ -50,3 +50,15 @@ def layer_flops(model: DecoderLM) -> tuple[int, int]:
     attn_proj = a.hidden_size * a.head_dim * (2 * a.num_heads + 2 * a.num_kv_heads)
     mlp = 3 * a.hidden_size * a.intermediate_size
     return 2 * (attn_proj + mlp), 4 * a.num_heads * a.head_dim
+
+
+def tree_row_costs(model: nn.Module, context_parallel: bool) -> tuple[int, int]:
+    """(per token, per query-key pair) forward FLOPs of a row, to judge whether samples are cheaper as one prefix
+    tree (trainer/sft_trees.py). Where `use_padded_rows` may give each sample a row of its own (our dense models,
+    without context parallelism or flex attention), a tree's one row pays attention over all of its tokens, so pairs
+    count; elsewhere rows are packed whatever the trees, and a tree only removes tokens: (1, 0)."""
+    if context_parallel or not isinstance(model, DecoderLM) or hasattr(model, "moe_stats"):
+        return 1, 0
+    if model.packed_attention == "flex":
+        return 1, 0
+    return layer_flops(model)
