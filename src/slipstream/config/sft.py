@@ -70,6 +70,21 @@ class SFTConfig(BaseConfig):
     """Token budget of one packed micro-batch (one forward/backward) per rank: samples are packed into rows of at
     most this many tokens. A sample longer than this is an error naming its row."""
 
+    shared_prefix: bool = True
+    """Train the conversations of a micro-batch that begin with the same tokens (system prompt, chat template) as
+    prefix trees: those tokens once, each conversation's remaining tokens attending to them (models/common/
+    prefix_tree.py). Exact: only tokens without loss in every conversation of a tree are shared, so loss and gradients
+    are those of the conversations one by one, with fewer tokens to compute; micro_batch_tokens counts a tree's tokens
+    (its prefix once), so a micro-batch holds more conversations. Trees are chosen to save the most compute (on the
+    CPU a tree's one row also pays attention over all its tokens, where each conversation could run in a padded row
+    of its own). Used where the trainer runs trees as trees: on the CPU, and under context parallelism (parallel.cp >
+    1). A CUDA trainer without context parallelism, a transformers model (model_impl = "hf") or a model with recurrent
+    layers would write trees back out as their conversations (the same result, beyond micro_batch_tokens): there
+    conversations are packed whole, as with False, and the log says so."""
+
+    shared_prefix_min_tokens: int = Field(2, ge=1)
+    """Shortest prefix worth sharing (shared_prefix)."""
+
     val_interval: int | None = Field(None, ge=1)
     """Compute the validation loss every this many steps and at the last step (needs data.val_files)."""
 

@@ -22,7 +22,8 @@ from slipstream.trainer.schedule import apply_lr
 from slipstream.trainer.setup import Trainer, setup_trainer, teardown_trainer
 from slipstream.trainer.sft_data import CURSOR_FILE, DataCursor, next_batch, rank_share
 from slipstream.trainer.sft_render import SFTSample, load_samples
-from slipstream.trainer.sft_step import sft_step, validation_loss
+from slipstream.trainer.sft_step import prefix_sharing, sft_step, validation_loss
+from slipstream.trainer.sft_trees import PrefixSharing
 from slipstream.transport.checkpoints import is_checkpoint_step, truncate_step_log
 from slipstream.weights.send.lora_export import ADAPTER_DIR, export_peft_adapter
 from slipstream.weights.send.publish import WeightPublisher
@@ -49,6 +50,7 @@ def run_sft(config: SFTConfig) -> None:
                 f"{len(data.train)} training samples, {len(data.val)} validation samples; {trainer.world_size} "
                 f"rank(s), {trainer.num_data_ranks} data rank(s)"
             )
+        sharing = setup_sharing(config, trainer)
         cursor = setup_progress(config, trainer, len(data.train))
         writer = MetricsWriter(config.output_dir) if trainer.info.is_main else None
         nonfinite = NonFiniteGuard(trainer_config.max_nonfinite_steps)
@@ -63,10 +65,11 @@ def run_sft(config: SFTConfig) -> None:
                 [data.train[i] for i in mine],
                 config.micro_batch_tokens,
                 config.optim.max_grad_norm,
+                sharing,
             )
             metrics["nonfinite/total"] = nonfinite.update(step, bool(metrics["nonfinite/skipped"]))
             t_train = time.perf_counter()
-            metrics |= maybe_validate(trainer, config, data, step)
+            metrics |= maybe_validate(trainer, config, data, step, sharing)
             metrics |= {
                 "lr": trainer.optimizer.param_groups[0]["lr"],
                 "epoch": cursor.epoch + cursor.index / len(data.train),
@@ -111,6 +114,19 @@ def build_data(config: SFTConfig, trainer: Trainer) -> SFTData:
     return SFTData(train=train, val=val)
 
 
+def setup_sharing(config: SFTConfig, trainer: Trainer) -> PrefixSharing | None:
+    """Prefix trees for this trainer (sft_step.prefix_sharing), saying which way it goes when shared_prefix is on."""
+    sharing = prefix_sharing(trainer, config.shared_prefix, config.shared_prefix_min_tokens)
+    if trainer.info.is_main and config.shared_prefix:
+        log.info(
+            "shared_prefix: conversations that share a prefix train as prefix trees"
+            if sharing is not None
+            else "shared_prefix: conversations are packed whole on this trainer (it would write prefix trees back "
+            "out as their conversations: CUDA without context parallelism, or a transformers model)"
+        )
+    return sharing
+
+
 def setup_progress(config: SFTConfig, trainer: Trainer, num_samples: int) -> DataCursor:
     """The data cursor to start from (the checkpoint's when resuming); drop metrics records of later steps."""
     if trainer.info.is_main:
@@ -121,10 +137,14 @@ def setup_progress(config: SFTConfig, trainer: Trainer, num_samples: int) -> Dat
     return DataCursor.read(RunDir(config.output_dir).checkpoint_dir(trainer.start_step) / CURSOR_FILE, num_samples)
 
 
-def maybe_validate(trainer: Trainer, config: SFTConfig, data: SFTData, step: int) -> dict[str, float]:
+def maybe_validate(
+    trainer: Trainer, config: SFTConfig, data: SFTData, step: int, sharing: PrefixSharing | None
+) -> dict[str, float]:
     if config.val_interval is None or not (step % config.val_interval == 0 or step == config.max_steps):
         return {}
-    return validation_loss(trainer, data.val, config.micro_batch_tokens, trainer.data_rank, trainer.num_data_ranks)
+    return validation_loss(
+        trainer, data.val, config.micro_batch_tokens, trainer.data_rank, trainer.num_data_ranks, sharing
+    )
 
 
 def maybe_checkpoint_sft(

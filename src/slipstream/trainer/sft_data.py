@@ -1,13 +1,14 @@
 """SFT data order and packing: which samples make step N (a cursor into seeded per-epoch permutations, saved with
 each checkpoint so a resumed run continues at the same sample), each data rank's share, and packed micro-batches
 (samples one after another in one row, position_ids restarting at 0 per sample: the trainer's packed attention
-keeps them apart).
+keeps them apart; conversations sharing a prefix may go as one prefix tree, sft_trees.py).
 
 Legend: T = tokens of a packed micro-batch.
 """
 
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 
 from slipstream.trainer.data import PackedMicroBatch, validate_packed
 from slipstream.trainer.sft_render import SFTSample
+from slipstream.trainer.sft_trees import PrefixSharing, Unit, build_trees, unit_parts
 from slipstream.utils.fs import atomic_write_text
 
 CURSOR_FILE = "sft_data.json"
@@ -78,30 +80,37 @@ def rank_share(indices: list[int], data_rank: int, num_data_ranks: int) -> list[
     return indices[data_rank::num_data_ranks]
 
 
-def pack_micro_batches(samples: list[SFTSample], max_tokens: int) -> list[list[SFTSample]]:
+def pack_micro_batches(
+    samples: list[SFTSample], max_tokens: int, sharing: PrefixSharing | None = None
+) -> list[list[Unit]]:
     """Group samples into micro-batches of at most `max_tokens` tokens: first fit, longest first (deterministic:
-    ties keep their order)."""
-    bins: list[list[SFTSample]] = []
-    sizes: list[int] = []
-    for sample in sorted(samples, key=lambda s: -s.num_tokens):
+    ties keep their order). With `sharing`, conversations that share a prefix go as prefix trees (sft_trees.py),
+    which count their tokens with the prefix once."""
+    for sample in samples:
         if sample.num_tokens > max_tokens:
             raise ValueError(f"{sample.where}: {sample.num_tokens} tokens do not fit micro_batch_tokens {max_tokens}")
+    units: list[Unit] = list(samples) if sharing is None else build_trees(samples, max_tokens, sharing)
+    bins: list[list[Unit]] = []
+    sizes: list[int] = []
+    for unit in sorted(units, key=lambda u: -u.num_tokens):
         for b, size in enumerate(sizes):
-            if size + sample.num_tokens <= max_tokens:
-                bins[b].append(sample)
-                sizes[b] += sample.num_tokens
+            if size + unit.num_tokens <= max_tokens:
+                bins[b].append(unit)
+                sizes[b] += unit.num_tokens
                 break
         else:
-            bins.append([sample])
-            sizes.append(sample.num_tokens)
+            bins.append([unit])
+            sizes.append(unit.num_tokens)
     return bins
 
 
-def packed_micro_batch(samples: list[SFTSample], device: torch.device) -> PackedMicroBatch:
-    """One packed row of `samples` (position_ids restart at 0 per sample; temperature 1, no RL fields)."""
-    input_ids_T = torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.long)
-    position_ids_T = torch.cat([torch.arange(s.num_tokens) for s in samples])
-    loss_mask_T = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.bool)
+def packed_micro_batch(units: Sequence[Unit], device: torch.device) -> PackedMicroBatch:
+    """One packed row of `units` (position_ids restart at 0 per conversation and tree, and continue the shared
+    prefix's in a tree's further conversations; temperature 1, no RL fields)."""
+    parts = [part for unit in units for part in unit_parts(unit)]
+    input_ids_T = torch.tensor([t for s, start in parts for t in s.input_ids[start:]], dtype=torch.long)
+    position_ids_T = torch.cat([torch.arange(start, s.num_tokens) for s, start in parts])
+    loss_mask_T = torch.tensor([m for s, start in parts for m in s.loss_mask[start:]], dtype=torch.bool)
     zeros_T = torch.zeros(input_ids_T.numel())
     packed = PackedMicroBatch(
         input_ids_T=input_ids_T,

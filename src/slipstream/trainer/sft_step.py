@@ -15,9 +15,11 @@ from torch import Tensor
 
 from slipstream.parallel.dist import all_reduce_max, all_reduce_sum
 from slipstream.trainer.logprobs import mixed_precision
+from slipstream.trainer.row_layout import tree_row_costs
 from slipstream.trainer.setup import Trainer
 from slipstream.trainer.sft_data import pack_micro_batches, packed_micro_batch
 from slipstream.trainer.sft_render import SFTSample
+from slipstream.trainer.sft_trees import PrefixSharing, TreeCost, Unit
 from slipstream.trainer.step import clip_and_step
 
 
@@ -30,7 +32,18 @@ def sft_loss(logprobs_T: Tensor, loss_mask_T: Tensor, num_loss_tokens: int, owne
     return -torch.where(mask_T, logprobs_T, 0.0).sum() / num_loss_tokens
 
 
-def run_passes(trainer: Trainer, micro_batches: list[list[SFTSample]], num_loss_tokens: int, backward: bool) -> Tensor:
+def prefix_sharing(trainer: Trainer, shared_prefix: bool, min_prefix_tokens: int) -> PrefixSharing | None:
+    """How this trainer's micro-batches share prefixes (SFTConfig.shared_prefix): None (conversations packed whole)
+    when sharing is off, or where the policy would write a tree back out as its conversations (CUDA without context
+    parallelism, transformers models): the same result, and micro_batch_tokens then bounds what actually runs."""
+    policy = trainer.policy
+    if not shared_prefix or not policy.runs_prefix_trees(trainer.device):
+        return None
+    per_token, per_pair = tree_row_costs(policy.model, policy.context_parallel is not None)
+    return PrefixSharing(min_prefix_tokens, TreeCost(per_token, per_pair))
+
+
+def run_passes(trainer: Trainer, micro_batches: list[list[Unit]], num_loss_tokens: int, backward: bool) -> Tensor:
     """Forward (and backward) of every micro-batch; returns this rank's share of the step's mean loss (detached)."""
     device, policy = trainer.device, trainer.policy
     num_passes = all_reduce_max(len(micro_batches), device)
@@ -64,14 +77,16 @@ def sft_step(
     rank_samples: list[SFTSample],
     micro_batch_tokens: int,
     max_grad_norm: float,
+    sharing: PrefixSharing | None = None,
 ) -> dict[str, float]:
-    """Train on `rank_samples` (this data rank's share of the step's `step_samples`), clip, step; returns the step's
-    mean loss per loss token over all ranks and the gradient norm."""
+    """Train on `rank_samples` (this data rank's share of the step's `step_samples`; prefix trees with `sharing`),
+    clip, step; returns the step's mean loss per loss token over all ranks, the gradient norm, and the tokens the
+    forward passes ran over all data ranks (`num_packed_tokens`: a shared prefix once per tree)."""
     if not rank_samples:
         raise ValueError("this rank has no samples in the step: batch_size must be >= world_size / cp")
     trainer.policy.train()
     num_loss_tokens = sum(s.num_loss_tokens for s in step_samples)
-    micro_batches = pack_micro_batches(rank_samples, micro_batch_tokens)
+    micro_batches = pack_micro_batches(rank_samples, micro_batch_tokens, sharing)
     loss_sum = run_passes(trainer, micro_batches, num_loss_tokens, backward=True)
     grad_norm, skipped = clip_and_step(trainer.policy, trainer.optimizer, max_grad_norm)
     return {
@@ -80,18 +95,31 @@ def sft_step(
         "nonfinite/skipped": float(skipped),
         "num_loss_tokens": num_loss_tokens,
         "num_tokens": sum(s.num_tokens for s in step_samples),
+        "num_packed_tokens": packed_tokens(trainer, micro_batches),
         "num_micro_batches": len(micro_batches),
     }
 
 
+def packed_tokens(trainer: Trainer, micro_batches: list[list[Unit]]) -> int:
+    """Tokens of the micro-batches of every data rank (the cp ranks of a group hold the same ones: counted once)."""
+    local = sum(u.num_tokens for mb in micro_batches for u in mb)
+    total = all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=trainer.device))
+    return round(float(total) * trainer.num_data_ranks / trainer.world_size)
+
+
 @torch.no_grad()
 def validation_loss(
-    trainer: Trainer, samples: list[SFTSample], micro_batch_tokens: int, data_rank: int, num_data_ranks: int
+    trainer: Trainer,
+    samples: list[SFTSample],
+    micro_batch_tokens: int,
+    data_rank: int,
+    num_data_ranks: int,
+    sharing: PrefixSharing | None = None,
 ) -> dict[str, float]:
     """Mean loss per loss token of `samples` (all ranks together) and its perplexity."""
     num_loss_tokens = sum(s.num_loss_tokens for s in samples)
     share = samples[data_rank::num_data_ranks] or samples[:1]  # a rank without samples still runs the passes
-    micro_batches = pack_micro_batches(share, micro_batch_tokens)
+    micro_batches = pack_micro_batches(share, micro_batch_tokens, sharing)
     was_training = trainer.policy.training
     trainer.policy.eval()
     try:
