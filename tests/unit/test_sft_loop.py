@@ -112,6 +112,7 @@ def test_sft_trains_checkpoints_resumes_bit_exactly_and_exports(tiny_qwen3_dir, 
     records = read_metrics(full)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(math.isfinite(r["loss"]) and r["num_loss_tokens"] > 0 for r in records)
+    assert any(r["num_packed_tokens"] < r["num_tokens"] for r in records)  # prefix trees (shared_prefix), resumed too
     assert [("val/loss" in r) for r in records] == [False, True, False, True]
     assert records[3]["val/loss"] < records[1]["val/loss"]  # lr 1e-3 on reversals: the model learns something
     cursor_path = RunDir(full).checkpoint_dir(2) / CURSOR_FILE
