@@ -132,3 +132,19 @@ def test_sft_loss_and_gradients_with_trees_equal_whole_conversations(tiny_model_
             ids, masks = [s.input_ids for s in t.samples], [s.loss_mask for s in t.samples]
             assert t.prefix_len == shared_prefix_len(ids, masks) >= 5
     assert len(whole_bins) == 1
+
+
+def test_trees_only_where_the_trainer_runs_them_as_trees(tiny_qwen3_dir, tmp_path):
+    """The CPU and context parallelism run trees; CUDA (varlen) and transformers models would write them back out as
+    their conversations, so SFT packs conversations whole there."""
+    from slipstream.trainer.logprobs import runs_prefix_trees
+
+    custom = setup_trainer(_config(tiny_qwen3_dir, tmp_path, tmp_path / "c", model_impl="custom").trainer_config())
+    sharing = prefix_sharing(custom, True, 3)
+    assert sharing is not None and sharing.min_prefix_tokens == 3 and sharing.cost.per_pair > 0
+    assert prefix_sharing(custom, False, 3) is None
+    model = custom.policy.model
+    assert runs_prefix_trees(model, CPU) and not runs_prefix_trees(model, torch.device("cuda"))
+    assert runs_prefix_trees(model, torch.device("cuda"), context_parallel=True)
+    hf = setup_trainer(_config(tiny_qwen3_dir, tmp_path, tmp_path / "h", model_impl="hf").trainer_config())
+    assert prefix_sharing(hf, True, 2) is None

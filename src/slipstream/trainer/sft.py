@@ -122,7 +122,7 @@ def setup_sharing(config: SFTConfig, trainer: Trainer) -> PrefixSharing | None:
             "shared_prefix: conversations that share a prefix train as prefix trees"
             if sharing is not None
             else "shared_prefix: conversations are packed whole on this trainer (it would write prefix trees back "
-            "out as their conversations: CUDA without context parallelism, or a transformers model)"
+            "out as their conversations: CUDA without context parallelism, a transformers model or recurrent layers)"
         )
     return sharing
 

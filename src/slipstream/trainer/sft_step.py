@@ -35,7 +35,8 @@ def sft_loss(logprobs_T: Tensor, loss_mask_T: Tensor, num_loss_tokens: int, owne
 def prefix_sharing(trainer: Trainer, shared_prefix: bool, min_prefix_tokens: int) -> PrefixSharing | None:
     """How this trainer's micro-batches share prefixes (SFTConfig.shared_prefix): None (conversations packed whole)
     when sharing is off, or where the policy would write a tree back out as its conversations (CUDA without context
-    parallelism, transformers models): the same result, and micro_batch_tokens then bounds what actually runs."""
+    parallelism, transformers models, recurrent layers): the same result, and micro_batch_tokens then bounds what
+    actually runs."""
     policy = trainer.policy
     if not shared_prefix or not policy.runs_prefix_trees(trainer.device):
         return None
