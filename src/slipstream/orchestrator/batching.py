@@ -29,7 +29,7 @@ import numpy as np
 from slipstream.orchestrator.routing import align_routing, no_route, pack_routing
 from slipstream.rollout.record import Rollout
 from slipstream.transport.rollouts import MicroBatch, SampleImages, TrainingBatch, write_batch
-from slipstream.transport.shared_prefix import leading_run, shareable_tokens
+from slipstream.transport.shared_prefix import leading_run, shareable_tokens, tree_tokens
 from slipstream.utils.images import message_image_bytes
 
 
@@ -113,7 +113,7 @@ class Tree:
 
     @property
     def num_tokens(self) -> int:
-        return self.prefix_len + sum(s.num_tokens - self.prefix_len for s in self.samples)
+        return tree_tokens(self.prefix_len, [s.num_tokens for s in self.samples])
 
     @property
     def num_loss_tokens(self) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from slipstream.trainer.sft_render import SFTSample
-from slipstream.transport.shared_prefix import shared_prefix_len
+from slipstream.transport.shared_prefix import shared_prefix_len, tree_tokens
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class SFTTree:
 
     @property
     def num_tokens(self) -> int:
-        return self.prefix_len + sum(s.num_tokens - self.prefix_len for s in self.samples)
+        return tree_tokens(self.prefix_len, [s.num_tokens for s in self.samples])
 
     @property
     def num_loss_tokens(self) -> int:

@@ -30,3 +30,9 @@ def leading_run(shareable_N: np.ndarray) -> int:
 def shared_prefix_len(input_ids: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[bool]]) -> int:
     """Longest prefix the samples may share (this module's rule)."""
     return leading_run(shareable_tokens(input_ids, loss_masks))
+
+
+def tree_tokens(prefix_len: int, sample_tokens: Sequence[int]) -> int:
+    """Tokens of a prefix tree of samples of `sample_tokens` tokens sharing their first `prefix_len`: the prefix once,
+    then every sample's remaining tokens."""
+    return prefix_len + sum(n - prefix_len for n in sample_tokens)
