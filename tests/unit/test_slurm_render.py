@@ -303,6 +303,11 @@ def test_each_node_of_a_three_node_job_runs_its_part_of_the_deployment(tmp_path)
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert f"role {role}" in proc.stdout
+        # the nodes run one after another here, not together: the exit code this node left would make the next
+        # node's script stop its launcher at once (a peer ended), maybe before the stand-in recorded its arguments
+        exit_file = tmp_path / "run" / "slurm" / "job_9" / f"{role}.exit"
+        assert exit_file.read_text().strip() == "0"
+        exit_file.unlink()
         argv = record.read_text().splitlines()
         assert argv[:4] == ["-m", "slipstream", "rl", "-c"] and argv[4] == str(files.node_configs[role])
         loaded[role] = load_config(RLConfig, argv[3:])
