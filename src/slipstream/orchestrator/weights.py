@@ -61,6 +61,9 @@ class WeightRelay:
             client, self.output_dir, config.weight_check, config.weight_check_tolerance, lora_name is not None
         )
         self.updating = False
+        self.staging = False
+        """A no-stall update stages its version (new requests go on; no evaluation may hold the policy, which the
+        swap will change)."""
         self.on_change: Callable[[], None] = lambda: None
         self.pending_metrics: dict[str, float] = {}
         """Metrics of the updates since the last batch (taken by the pipeline into the next batch)."""
@@ -238,7 +241,7 @@ class WeightRelay:
     @asynccontextmanager
     async def hold(self) -> AsyncIterator[int]:
         """Keep the served policy fixed for the block (updates wait for its end); yields the served version."""
-        if not self.accepting:
+        if not self.accepting or self.staging:
             raise RuntimeError(
                 "the policy cannot be held while a weight update or an inference recovery is in progress"
             )
@@ -274,7 +277,9 @@ class WeightRelay:
             if self.turns is not None:
                 await self.turns.wake()
             await self.checker.maybe_calibrate(version, previous)  # inference still serves `previous`
-            if not self.config.weights.no_stall:
+            if self.config.weights.no_stall:
+                self.staging = True  # until the swap (or the pause of a version that loads paused)
+            else:
                 self._stall()  # a paused update holds new requests from its start (no-stall: from the swap on)
             try:
                 try:
@@ -293,7 +298,7 @@ class WeightRelay:
                     ) from e
                 check = await self._verify(version, previous)
             finally:
-                self.updating = False
+                self.updating = self.staging = False
                 self.on_change()
         if self.turns is not None:
             self.turns.to_inference(version)
@@ -334,7 +339,7 @@ class WeightRelay:
     def _stall(self) -> None:
         """Inference stops generating for the load: new requests wait until it is verified."""
         if not self.updating:
-            self.updating = True
+            self.updating, self.staging = True, False
             self.on_change()
 
     def _serve(self, version: int) -> None:
