@@ -6,8 +6,8 @@ fingerprint the model's parameters at the start and end of every engine step (te
   while the version is staged, no engine step sees its parameters change, steps of both versions ran, the swap loads
   the model's own weights back bit for bit (the fingerprint vLLM started with), and the relay reports the swap's
   seconds (the time vLLM did not generate) and the staging's.
-- `slipstream rl` trains 3 steps with `weights.no_stall = true` over gloo against that server, every version
-  verified by the probe."""
+- `slipstream rl` trains 3 steps with `weights.no_stall = true` and delta updates over gloo against that server (the
+  delta mirror is the staging memory), every version verified by the probe."""
 
 import asyncio
 import json
@@ -39,8 +39,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXTENSION = ["--worker-extension-cls", "tests.e2e.step_fingerprint_ext.StepFingerprints"]
 BUCKET_BYTES = 120_000
-"""Buckets smaller than a layer: the tiny model goes in about ten."""
-PAUSE_S = 0.3
+"""Buckets smaller than a layer: the tiny model goes in about forty."""
+PAUSE_S = 0.1
 """The sender's pause before each bucket: the staging window lasts seconds, a few hundred engine steps."""
 MESSAGES = [{"role": "user", "content": "Count slowly from one to one hundred, one number per line."}]
 
@@ -186,6 +186,7 @@ def test_rl_with_no_stall_updates_passes_its_probe_checks(tiny_qwen3_dir, tmp_pa
     # synchronous (max_async_level = 0): batch 3 waits for version 2, so that update's metrics go into its record
     config = server.run_config(tiny_rl_config(tiny_qwen3_dir, out, max_steps=3, orchestrator={"max_async_level": 0}))
     config["weights"] = {"transport": "gloo", "master_port": free_port(), "bucket_mb": 1, "no_stall": True}
+    config["weights"]["delta"] = {"enabled": True}  # staged in the workers' mirrors (the first test: plain buffers)
     proc = subprocess.run(
         [sys.executable, "-m", "slipstream", "rl", "-c", str(write_config(tmp_path / "rl.toml", config))],
         env=server.env(env),
@@ -196,9 +197,12 @@ def test_rl_with_no_stall_updates_passes_its_probe_checks(tiny_qwen3_dir, tmp_pa
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-5000:]}\nstderr:\n{proc.stderr[-5000:]}"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     # version 1 opens the transfer session (paused, declared); version 2 is staged and swapped in
-    by_step = {r["step"]: r for r in records if "weights/num_updates" in r}
+    by_step: dict[int, dict] = {}
+    for record in records:  # the orchestrator's and the trainer's records of a step, merged
+        by_step.setdefault(record["step"], {}).update(record)
     assert by_step[2].get("weights/num_paused_updates") == 1 and "weights/num_staged_updates" not in by_step[2]
     assert by_step[3]["weights/num_staged_updates"] == 1 and by_step[3]["timing/weight_stage_s"] > 0, by_step[3]
+    assert all("weights/delta_bytes_sent" in by_step[step] for step in (1, 2, 3)), by_step
     checks = [json.loads(line) for line in (out / "weight_checks.jsonl").read_text().splitlines() if line.strip()]
     updates = [c for c in checks if c["kind"] == "update"]
     assert [c["step"] for c in updates][-1] == 3 and all(c["passed"] for c in updates), updates

@@ -126,3 +126,42 @@ def test_no_stall_is_refused_with_lora(tmp_path):
             model={"name": "m", "lora": {}}, output_dir=tmp_path, max_steps=1,
             weights={"transport": "gloo", "no_stall": True},
         )  # fmt: skip
+
+
+def test_the_relay_sends_new_requests_while_staging_and_holds_them_from_the_swap(tmp_path):
+    """While the workers stage a version new requests go on (`accepting`), but no evaluation may hold the policy; from
+    the swap until the load is done new requests wait. The metrics say what was staged and what stalled."""
+    from slipstream.orchestrator.weights import WeightRelay
+
+    server = _Server(tmp_path)
+    client = _client(server)
+    config = OrchestratorConfig(
+        model={"name": "m"}, output_dir=tmp_path, max_steps=2, weight_check={"enabled": False},
+        weights={"transport": "gloo", "no_stall": True, "master_port": 1},
+    )  # fmt: skip
+    relay = WeightRelay(client, config)
+    states: dict[str, tuple[bool, bool]] = {}
+    respond = server.__call__
+
+    def watching(request: httpx.Request) -> httpx.Response:
+        states[f"{request.url.path} {len(server.infos)}"] = (relay.accepting, relay.staging)
+        return respond(request)
+
+    client._http = httpx.AsyncClient(base_url="http://engine", transport=httpx.MockTransport(watching))
+    _offer(tmp_path, 1)
+    _offer(tmp_path, 2)
+
+    async def run() -> tuple[dict, dict]:
+        await relay.update(1)
+        first = relay.take_metrics()
+        await relay.update(2)
+        return first, relay.take_metrics()
+
+    first, second = asyncio.run(run())
+    assert states["/pause 0"] == (False, False)  # version 1: a new session, paused
+    assert states["/update_weights 1"] == (True, True)  # version 2 staged: requests go on, no evaluation starts
+    assert states["/finish_weight_update 2"] == (False, False)  # the swap: new requests wait
+    assert relay.accepting and not relay.staging and relay.served_version == 2
+    assert first["weights/num_paused_updates"] == 1 and "timing/weight_stage_s" not in first
+    assert second["weights/num_staged_updates"] == 1 and "weights/prefix_cache_reset" not in second
+    assert second["timing/weight_pause_s"] == pytest.approx(FINISH_MS / 1e3) and second["timing/weight_stage_s"] > 0.15
