@@ -181,3 +181,22 @@ def test_delta_versions_stage_in_the_mirror_and_round_trip(session, reload_calls
             assert _bits(model.tensors) == _bits(version)
             assert engine.stager.buffers.slots == []  # the mirror was the staging memory
     assert reload_calls.count("initialize") == reload_calls.count("finalize") == 6
+
+
+def test_staging_memory_that_does_not_fit_fails_the_update_at_once_saying_so(monkeypatch):
+    from slipstream.weights.receive.bucket_receive import ReceiveBuffers
+
+    def out_of_memory(self, manifest):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 1073741824 bytes.")
+
+    monkeypatch.setattr(ReceiveBuffers, "start", out_of_memory)
+    receiver = WeightReceiver(torch.device("cpu"))
+    receiver.group = object()  # joined (nothing is received: the allocation fails first)
+    stager = Stager(receiver)
+    with pytest.raises(
+        StagingFailed,
+        match=r"weight staging failed: version 4: staging needs one more copy of the published weights \(0\.0 MiB\) "
+        r"on this worker's cpu, which could not be allocated \(DefaultCPUAllocator.*set weights.no_stall = false",
+    ):
+        stager.start({"step": 4, "manifest": Manifest(4, PLAN).to_dict()})
+    assert not stager.active  # nothing runs, nothing was received
