@@ -58,6 +58,11 @@ class SimWeightTransfer:
             raise SimRequestError(
                 f"update_info must be an object with an integer 'step' >= 0 (got {update_info!r:.200})"
             )
+        if update_info.get("stage"):
+            raise SimRequestError(
+                "the simulated inference server does not stage versions in the background (weights.no_stall needs "
+                "vLLM with Slipstream's engine): set weights.no_stall = false"
+            )
         if "path" in update_info:
             if not isinstance(update_info["path"], str) or not update_info["path"]:
                 raise SimRequestError(f"update_info 'path' must be a folder path, got {update_info['path']!r:.200}")

@@ -99,13 +99,20 @@ def test_a_weight_update_left_unfinished_is_closed_before_the_next(monkeypatch):
     calls = []
     monkeypatch.setattr(reload, "finalize_layerwise_reload", lambda model, config: calls.append(("finalize", config)))
     monkeypatch.setattr(reload, "initialize_layerwise_reload", lambda model: calls.append(("initialize",)))
+    from slipstream.weights.receive.receiver import WeightReceiver
+    from slipstream.weights.receive.staging import Stager
+
     engine = object.__new__(SlipstreamWeightTransferEngine)  # the state a version that failed midway leaves
     engine.model, engine.model_config, engine._layerwise = torch.nn.Linear(2, 2), "model config", True
     engine.loads = PlannedLoads(enabled=True)
+    engine.stager = Stager(WeightReceiver(torch.device("cpu")))
     engine.loads.start(lambda: [])  # recording the version that failed
     engine.start_weight_update()
-    assert calls == [("finalize", "model config"), ("initialize",)]  # closed, then this version's reload opened
+    assert calls == [("finalize", "model config")]  # closed; this version's reload opens where its loads begin
+    engine._prepare(None)
+    assert calls[1:] == [("initialize",)]
     assert engine._layerwise and engine.loads.recorder is not None  # a fresh recording, not the failed version's
     engine._layerwise = False
     engine.start_weight_update()  # after a version that finished: nothing to close
+    engine._prepare(None)
     assert calls[2:] == [("initialize",)]

@@ -266,6 +266,8 @@ def test_weight_loads_are_checked(tmp_path):
         assert (
             "broadcast but no group" in post(url, "update_weights", {"update_info": {"step": 1, "manifest": {}}}).text
         )
+        staged = post(url, "update_weights", {"update_info": {"step": 1, "manifest": {}, "stage": True}})
+        assert staged.status_code == 400 and "set weights.no_stall = false" in staged.text  # no silent paused load
         assert update(url, 1, str(tmp_path / "weights" / "step_1")).status_code == 200
         assert "weight_version" in post(url, "finish_weight_update", {}).text
         assert post(url, "start_weight_update").status_code == 200

@@ -387,6 +387,11 @@ class OrchestratorConfig(BaseConfig):
         return self
 
     @model_validator(mode="after")
+    def _check_no_stall(self) -> "OrchestratorConfig":
+        self.weights.check_no_stall_lora(self.model.lora is not None)
+        return self
+
+    @model_validator(mode="after")
     def _check_group(self) -> "OrchestratorConfig":
         if self.batch_size % self.group_size:
             raise ValueError(

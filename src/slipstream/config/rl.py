@@ -329,6 +329,11 @@ class RLConfig(BaseConfig):
         return self
 
     @model_validator(mode="after")
+    def _check_no_stall(self) -> "RLConfig":
+        self.weights.check_no_stall_lora(self.model.lora is not None)
+        return self
+
+    @model_validator(mode="after")
     def _check_sleep_level(self) -> "RLConfig":
         if self.deployment.sleep_level == 2 and self.model.lora is not None and self.deployment.colocate is not False:
             raise ValueError(

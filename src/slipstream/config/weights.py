@@ -64,6 +64,22 @@ class WeightsConfig(BaseConfig):
     delta: DeltaConfig = DeltaConfig()
     """Send each version as the elements that changed since the one before, checked by a checksum (off by default)."""
 
+    no_stall: bool = False
+    """Load each version without pausing inference (issue #40): every inference worker receives the version in the
+    background into staging memory while vLLM keeps generating with the version before, and the swap (staged bytes
+    copied into the model) runs inside /finish_weight_update, between two engine steps, so no step sees a mix of
+    versions. vLLM stops generating only for the swap, not for the transfer. The first version of a transfer session
+    (the first broadcast, and after inference restarted) still loads paused (counted in `weights/num_paused_updates`),
+    as do versions loaded from disk (a restarted server's served version).
+
+    Memory: one more copy of the published weights (in the published dtype) per inference worker, on its device, kept
+    from one version to the next; none more with `weights.delta`, whose copy of the version before is the staging
+    memory. A worker that cannot allocate it fails the update with an error that says so (the run stops; nothing was
+    loaded): lower vLLM's memory share or set `weights.no_stall = false`. Needs `weights.transport = "gloo"` (the CPU
+    twin; NCCL on a side CUDA stream is the GPU half, not built yet); not with `model.lora` (adapters load from files)
+    nor against the simulated inference server. Tokens are stamped with the new version from the swap's end
+    (rollout/streaming.py says what that approximates)."""
+
     track_changes: bool = False
     """Measure how much of each version changed since the one before, as a delta update would send it (trainer rank 0,
     bitwise in the published dtype): `weights/changed_fraction` (elements whose bits differ), `weights/delta_bytes`
@@ -79,6 +95,24 @@ class WeightsConfig(BaseConfig):
     """TCP port of the trainer's rendezvous store (collective transports). 0 (default): `slipstream rl` picks a port
     free on the trainer's node when it launches trainer and orchestrator there (two runs on one node never collide);
     set a fixed port when the trainer and the orchestrator are started separately (by hand, or on different nodes)."""
+
+    @model_validator(mode="after")
+    def _check_no_stall(self) -> "WeightsConfig":
+        if self.no_stall and self.transport != "gloo":
+            raise ValueError(
+                f"weights.no_stall stages each version from a broadcast, so far over gloo only (weights.transport is "
+                f'"{self.transport}"; NCCL on a side CUDA stream is the GPU half of issue #40, and files and shared '
+                'memory are read by the paused load): set weights.transport = "gloo", or weights.no_stall = false'
+            )
+        return self
+
+    def check_no_stall_lora(self, lora: bool) -> None:
+        """Refuse `no_stall` with `model.lora` (called by the configs that hold both)."""
+        if self.no_stall and lora:
+            raise ValueError(
+                "weights.no_stall stages full-model versions from a broadcast, but with model.lora inference loads "
+                "adapter folders (paused): set weights.no_stall = false"
+            )
 
     @model_validator(mode="after")
     def _check_delta(self) -> "WeightsConfig":

@@ -9,7 +9,7 @@ and `--weight-transfer-config '{"backend": "slipstream"}'` (weights/receive/engi
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,7 @@ from slipstream.rollout.client import (
     InferenceUnavailable,
     json_reply,
 )
-from slipstream.weights.wire.published import INCOMPLETE_MARKER
+from slipstream.weights.wire.published import INCOMPLETE_MARKER, STAGING_FAILED
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ class WeightUpdateOpen(InferenceError):
 
 
 _WEIGHT_UPDATE_OPEN = "weight update is already active"
+_LOADS = ("/update_weights", "/finish_weight_update")
+"""Where the engine loads a version: /update_weights (paused), /finish_weight_update (the swap of a no-stall update)."""
 
 
 class WeightUpdateIncomplete(InferenceError):
@@ -42,12 +44,18 @@ class WeightUpdateIncomplete(InferenceError):
     (weights/receive/receiver.check_loaded); vLLM answers HTTP 500 with the engine's message. Not a lost server."""
 
 
+class WeightStagingFailed(InferenceError):
+    """A no-stall update (`weights.no_stall`) could not stage its version (weights/receive/staging.py: no memory for
+    it, or its receive failed); /update_weights or /finish_weight_update answer HTTP 500 with the engine's message.
+    The model still serves the version before, whole. Not a lost server."""
+
+
 @dataclass(frozen=True)
 class WeightLoad:
     """Outcome of one in-place weight load."""
 
     seconds: float
-    """Wall time from the pause to the resume."""
+    """Wall time from the pause to the resume (a staged update: the swap, see `staged`)."""
     prefix_cache_reset: bool
     """Whether /reset_prefix_cache freed the cache. vLLM refuses while requests hold blocks (always the case
     with requests in flight); correctness does not depend on it, new requests carry a per-version cache_salt."""
@@ -56,6 +64,8 @@ class WeightLoad:
     with several engines the slowest engine's), so a slow update says where its time went; `<call>_server`: the part
     the server itself spent on it (the rest is the way there and back, both event loops included);
     `server_loop_lag`: the server's event loop, its worst lateness since the update before (while it streamed)."""
+    staged: bool = False
+    """A no-stall update (load_weights_staged): `seconds` is the swap alone, the only time vLLM did not generate."""
 
 
 class InferenceClient(GenerationClient):
@@ -101,8 +111,10 @@ class InferenceClient(GenerationClient):
     def _check_refusal(self, path: str, response: httpx.Response, where: str) -> None:
         if response.status_code != 200 and path == "/start_weight_update" and _WEIGHT_UPDATE_OPEN in response.text:
             raise WeightUpdateOpen(f"{where} returned HTTP {response.status_code}: {response.text[:500]}")
-        if response.status_code != 200 and path == "/update_weights" and INCOMPLETE_MARKER in response.text:
+        if response.status_code != 200 and path in _LOADS and INCOMPLETE_MARKER in response.text:
             raise WeightUpdateIncomplete(f"{where} returned HTTP {response.status_code}: {response.text[:1000]}")
+        if response.status_code != 200 and path in _LOADS and STAGING_FAILED in response.text:
+            raise WeightStagingFailed(f"{where} returned HTTP {response.status_code}: {response.text[:1000]}")
 
     async def __aexit__(self, *exc: object) -> None:
         for engine in self.engines:
@@ -295,6 +307,52 @@ class InferenceClient(GenerationClient):
                 raise errors[0]
         reset = all(r for r, _ in loads)
         return WeightLoad(seconds=time.perf_counter() - start, prefix_cache_reset=reset, phases=phases)
+
+    async def load_weights_staged(
+        self,
+        version: int,
+        update_info: dict[str, Any],
+        on_started: Callable[[], None],
+        delivered: Callable[[], Awaitable[None]],
+        before_swap: Callable[[], None],
+    ) -> WeightLoad:
+        """Load weight version `version` without pausing inference (`weights.no_stall`; a broadcast of an open
+        transfer session): /start_weight_update, `on_started` (ACCEPT: the trainer starts its broadcast),
+        /update_weights with `stage` (each worker receives the version in the background and the call returns at
+        once), `delivered` (awaits the trainer's DELIVERED marker: its sends are complete, the repair round of a
+        delta included), `before_swap`, /finish_weight_update (the swap: the staged version loads between two engine
+        steps). vLLM generates with the version before until the swap, and stops only for it: `seconds` is the
+        server's handled time of /finish_weight_update (the slowest engine's; the client's time where the server
+        sends none). No /reset_prefix_cache: requests carry a per-version cache_salt (rollout/record.py), so cached KV
+        never crosses versions. Phases: `start`, `on_started`, `stage_start`, `stage` (/update_weights until
+        DELIVERED), `swap` and `swap_server`."""
+        engines = self.admin_clients
+        phases: dict[str, float] = {}
+        last = time.perf_counter()
+
+        def lap(name: str, path: str | None = None) -> None:
+            nonlocal last
+            now = time.perf_counter()
+            phases[name], last = now - last, now
+            timings = [t for e in engines if (t := e.server_timing.pop(path, None)) is not None] if path else []
+            if known := [t.handled_s for t in timings if t.handled_s is not None]:
+                phases[f"{name}_server"] = max(known)
+
+        await asyncio.gather(*(e._start_weight_update(version) for e in engines))
+        lap("start", "/start_weight_update")
+        on_started()
+        lap("on_started")
+        staged_info = {**update_info, "stage": True}
+        await asyncio.gather(*(e.post("/update_weights", json={"update_info": staged_info}) for e in engines))
+        lap("stage_start", "/update_weights")
+        await delivered()
+        lap("stage")
+        before_swap()
+        body = {"weight_version": str(version)}
+        await asyncio.gather(*(e.post("/finish_weight_update", json=body) for e in engines))
+        lap("swap", "/finish_weight_update")
+        stalled = phases.get("swap_server", phases["swap"])
+        return WeightLoad(seconds=stalled, prefix_cache_reset=False, phases=phases, staged=True)
 
     async def load_lora_adapter(
         self,

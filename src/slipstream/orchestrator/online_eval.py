@@ -100,9 +100,10 @@ class OnlineEvaluator:
                 await self.evaluate()
 
     def _may_start(self) -> bool:
-        """No update in progress, inference available, and (colocated) not the trainer's turn on the GPU."""
+        """No update in progress (nor staged: weights.no_stall), inference available, and (colocated) not the
+        trainer's turn on the GPU."""
         turns = self.relay.turns
-        return self.relay.accepting and (turns is None or not turns.trainer_turn)
+        return self.relay.accepting and not self.relay.staging and (turns is None or not turns.trainer_turn)
 
     def stop(self) -> None:
         """The last batch is written: finish the running evaluation, with the whole in-flight limit (no rollouts

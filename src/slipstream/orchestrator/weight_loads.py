@@ -7,10 +7,18 @@ A broadcast needs a transfer session: the group of the trainer's sending ranks (
 sends its own rows; the offer says how many) and every inference worker. One is opened at the
 first broadcast and again whenever inference is a new instance (a restart loses the group); the session id is sent
 to the workers in /init_weight_transfer_engine and to the trainer in the version's ACCEPT marker.
+
+With `weights.no_stall`, a broadcast of an open session loads without pausing inference (InferenceClient.
+load_weights_staged): the workers stage it while vLLM generates, the orchestrator waits for the trainer's DELIVERED
+marker without blocking vLLM, then the swap. A new session's version (the first broadcast, a restarted server) still
+loads paused: the workers must join the group first (/init_weight_transfer_engine blocks until every rank joined), and
+a server that just (re)started has no rollouts to keep going. So do versions loaded from disk.
 """
 
+import asyncio
 import os
 import re
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +26,7 @@ from typing import Any
 
 from slipstream.config.weights import WeightsConfig
 from slipstream.orchestrator.client import InferenceClient, WeightLoad
+from slipstream.rollout.client import InferenceUnavailable
 from slipstream.utils.fs import fsync_dir
 from slipstream.weights.wire.offers import (
     Accept,
@@ -30,6 +39,8 @@ from slipstream.weights.wire.offers import (
 )
 from slipstream.weights.wire.published import is_ready, weights_dir
 
+DELIVERED_POLL_S = 0.01
+"""How often a no-stall update looks for the trainer's DELIVERED marker while the workers stage the version."""
 SERVING_DIR = "serving"
 """`<output_dir>/serving/<adapter name>`: a symbolic link to the adapter version inference serves (LoRA runs)."""
 
@@ -60,13 +71,18 @@ class WeightLoader:
         """Whether `version` must come by broadcast: offered, not yet delivered (then it is not on disk yet)."""
         return is_offered(self.output_dir, version) and not is_delivered(self.output_dir, version)
 
-    async def load(self, version: int, before_resume=None) -> WeightLoad:
-        """Have inference take `version` (in-flight requests frozen meanwhile; see InferenceClient.load_weights)."""
+    async def load(self, version: int, before_resume=None, on_stall=None) -> WeightLoad:
+        """Have inference take `version` (in-flight requests frozen meanwhile; see InferenceClient.load_weights, or
+        with `weights.no_stall` only for the swap: load_weights_staged). `on_stall` is called right before inference
+        stops generating (the pause, or the swap); `before_resume` once the version is loaded, before generation
+        goes on with it (a staged update: right when the swap returns)."""
+        on_stall = on_stall or (lambda: None)
         if self.lora_name is not None:
             if not is_ready(self.output_dir, version):
                 raise FileNotFoundError(f"{weights_dir(self.output_dir, version)} is not complete on disk (READY)")
             link = serving_link(self.output_dir, self.lora_name)
             target = weights_dir(self.output_dir, version).resolve()
+            on_stall()
             return await self.client.load_lora_adapter(
                 self.lora_name, str(link), before_resume=before_resume, on_paused=lambda: point_link(link, target)
             )
@@ -77,10 +93,12 @@ class WeightLoader:
                     "trainer for broadcast; it cannot be loaded"
                 )
             info = {"step": version, "path": str(weights_dir(self.output_dir, version))}
+            on_stall()
             return await self.client.load_weights(version, info, before_resume=before_resume)
         offer = read_offer(self.output_dir, version)
         if offer["backend"] == "ipc":  # the trainer's memory, mapped by the engine; no session, nothing to accept
             info = {"step": version, "manifest": read_manifest(self.output_dir, version), "shared": offer.get("shared")}
+            on_stall()
             load = await self.client.load_weights(version, info, before_resume=before_resume)
             mark_delivered(self.output_dir, version, "ipc")  # the trainer may write its buffer again
             return load
@@ -93,12 +111,39 @@ class WeightLoader:
 
         info = {"step": version, "manifest": read_manifest(self.output_dir, version)}
         try:
+            if self.weights.no_stall and init_info is None:
+                load = await self.client.load_weights_staged(
+                    version, info, accept, lambda: self._wait_delivered(version), on_stall
+                )
+                if before_resume is not None:
+                    before_resume()  # tokens arriving from now on are stamped `version` (rollout/streaming.py)
+                return load
+            on_stall()
             return await self.client.load_weights(
                 version, info, init_info=init_info, on_paused=accept, before_resume=before_resume
             )
         except BaseException:
             self.session = None  # the group may be broken: the next broadcast opens a new session
             raise
+
+    async def _wait_delivered(self, version: int) -> None:
+        """Until the trainer marks `version` DELIVERED (its sends complete, a delta's repair round included: the
+        workers hold the version by then, or their staging failed, which the swap raises). InferenceUnavailable if
+        inference is lost meanwhile; TimeoutError after `weights.accept_timeout_s` (a trainer whose send failed waits
+        for the version to be accepted again and never marks it)."""
+        deadline = time.monotonic() + self.weights.accept_timeout_s
+        while not is_delivered(self.output_dir, version):
+            if not self.client.available:
+                raise InferenceUnavailable(
+                    f"inference was lost while staging version {version} ({self.client.unavailable_reason})"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"waited {self.weights.accept_timeout_s:g}s (weights.accept_timeout_s) for the trainer to mark "
+                    f"version {version} DELIVERED ({weights_dir(self.output_dir, version)}) while inference staged it; "
+                    "its broadcast did not complete: see the trainer's log"
+                )
+            await asyncio.sleep(DELIVERED_POLL_S)
 
     async def _maybe_new_session(self, offer: dict) -> dict[str, Any] | None:
         """init_info of a new session when there is none for the current inference instance (or the trainer's

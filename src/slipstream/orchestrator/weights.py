@@ -3,7 +3,9 @@ every load.
 
 An update is pause(keep) -> load -> reset prefix cache -> resume: in-flight requests freeze and continue with the
 new weights, nothing is drained or restarted. New requests are held back from the pause until the load is
-verified, so every request sent after an update carries the new version's cache_salt. An online evaluation holds
+verified, so every request sent after an update carries the new version's cache_salt. With `weights.no_stall` the
+version is staged while inference generates and swapped in without a pause (orchestrator/weight_loads.py); new
+requests are held back from the swap until the load is verified. An online evaluation holds
 the served policy fixed (`hold()`): updates wait until it ends. Verification scores the
 trainer's probe tokens on inference and compares log-probs, so a failed or partial weight update (a frozen or
 corrupted policy) is caught instead of training silently.
@@ -21,7 +23,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from slipstream.config.orchestrator import OrchestratorConfig
-from slipstream.orchestrator.client import InferenceClient, WeightUpdateIncomplete
+from slipstream.orchestrator.client import InferenceClient, WeightStagingFailed, WeightUpdateIncomplete
 from slipstream.orchestrator.colocate import GpuTurns
 from slipstream.orchestrator.weight_check import WeightChecker, WeightSyncError, failure_message
 from slipstream.orchestrator.weight_loads import WeightLoader
@@ -42,8 +44,8 @@ PREFIX_CACHE_RESET_S = 30.0
 class WeightRelay:
     """Tracks the policy version inference serves (0 = initial weights) and updates it as weights are published.
 
-    `served_version` switches right before /resume (see streaming.py for why tokens are stamped with it);
-    `updating` is true from /pause until the load is verified; `accepting` is false while updating or while
+    `served_version` switches right before /resume, or when a no-stall swap returns (see streaming.py for why
+    tokens are stamped with it); `updating` is true from /pause (no-stall: the swap) until the load is verified; `accepting` is false while updating or while
     inference is unavailable (until recovered); `on_change` is called whenever any of them changes.
     """
 
@@ -59,6 +61,9 @@ class WeightRelay:
             client, self.output_dir, config.weight_check, config.weight_check_tolerance, lora_name is not None
         )
         self.updating = False
+        self.staging = False
+        """A no-stall update stages its version (new requests go on; no evaluation may hold the policy, which the
+        swap will change)."""
         self.on_change: Callable[[], None] = lambda: None
         self.pending_metrics: dict[str, float] = {}
         """Metrics of the updates since the last batch (taken by the pipeline into the next batch)."""
@@ -236,7 +241,7 @@ class WeightRelay:
     @asynccontextmanager
     async def hold(self) -> AsyncIterator[int]:
         """Keep the served policy fixed for the block (updates wait for its end); yields the served version."""
-        if not self.accepting:
+        if not self.accepting or self.staging:
             raise RuntimeError(
                 "the policy cannot be held while a weight update or an inference recovery is in progress"
             )
@@ -272,31 +277,49 @@ class WeightRelay:
             if self.turns is not None:
                 await self.turns.wake()
             await self.checker.maybe_calibrate(version, previous)  # inference still serves `previous`
-            self.updating = True
-            self.on_change()
+            if self.config.weights.no_stall:
+                self.staging = True  # until the swap (or the pause of a version that loads paused)
+            else:
+                self._stall()  # a paused update holds new requests from its start (no-stall: from the swap on)
             try:
                 try:
-                    load = await self.loader.load(version, before_resume=lambda: self._serve(version))
+                    load = await self.loader.load(
+                        version, before_resume=lambda: self._serve(version), on_stall=self._stall
+                    )
                 except WeightUpdateIncomplete as e:
                     raise WeightSyncError(
                         f"weight update to step {version} did not load whole on inference, so it serves a mix of "
                         f"versions; the run stops ({e})"
                     ) from e
+                except WeightStagingFailed as e:
+                    raise WeightSyncError(
+                        f"weight update to step {version} could not be staged on inference (weights.no_stall), which "
+                        f"still serves step {previous} whole; the run stops ({e})"
+                    ) from e
                 check = await self._verify(version, previous)
             finally:
-                self.updating = False
+                self.updating = self.staging = False
                 self.on_change()
         if self.turns is not None:
             self.turns.to_inference(version)
         m = self.pending_metrics
         m["timing/weight_update_s"] = m.get("timing/weight_update_s", 0.0) + time.perf_counter() - start
         # what in-flight requests waited: the pause until the resume (new ones also wait for the check)
+        # a staged update (weights.no_stall): the swap alone, the time vLLM did not generate
         m["timing/weight_pause_s"] = m.get("timing/weight_pause_s", 0.0) + load.seconds
         for phase, seconds in load.phases.items():  # where the pause went (client.WeightLoad.phases)
             key = f"timing/weight_pause/{phase}_s"
             m[key] = m.get(key, 0.0) + seconds
         m["weights/num_updates"] = m.get("weights/num_updates", 0.0) + 1
-        m["weights/prefix_cache_reset"] = min(m.get("weights/prefix_cache_reset", 1.0), float(load.prefix_cache_reset))
+        if load.staged:  # while vLLM generated: /update_weights (stage) until the trainer's DELIVERED
+            stage = load.phases.get("stage_start", 0.0) + load.phases.get("stage", 0.0)
+            m["timing/weight_stage_s"] = m.get("timing/weight_stage_s", 0.0) + stage
+            m["weights/num_staged_updates"] = m.get("weights/num_staged_updates", 0.0) + 1
+        else:
+            reset = float(load.prefix_cache_reset)
+            m["weights/prefix_cache_reset"] = min(m.get("weights/prefix_cache_reset", 1.0), reset)
+            if self.config.weights.no_stall:  # declared: a new session's version, or one from disk
+                m["weights/num_paused_updates"] = m.get("weights/num_paused_updates", 0.0) + 1
         if check is not None:
             m["weight_sync/max_abs_diff"] = max(m.get("weight_sync/max_abs_diff", 0.0), check)
         pruned = await asyncio.to_thread(self.prune)
@@ -312,6 +335,12 @@ class WeightRelay:
         )
         keep = weights_to_keep(published, self.served_version, set(), set(), for_resume, c.weights.keep_weights)
         return prune_weights(run, keep)
+
+    def _stall(self) -> None:
+        """Inference stops generating for the load: new requests wait until it is verified."""
+        if not self.updating:
+            self.updating, self.staging = True, False
+            self.on_change()
 
     def _serve(self, version: int) -> None:
         self.served_version = version

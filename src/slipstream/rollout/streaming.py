@@ -10,6 +10,15 @@ pause window (pause + load + cache reset), or if vLLM gathers several tokens a c
 tokens still gathered when the pause comes arrive after it, at most `stream_interval - 1` per completion and update.
 The KV cache of a request's earlier tokens stays the old policy's; its later tokens are still stamped with the new
 version (the in-flight-update approximation every async RL system makes).
+
+No-stall updates (`weights.no_stall`) have no pause: vLLM generates with the old version while the new one is staged,
+and the relay switches the stamped version when /finish_weight_update (the swap, run between two engine steps)
+returns. Tokens of the last engine step(s) before the swap whose chunks reach the orchestrator only after that reply
+are stamped with the new version though the old one produced them: the steps whose outputs were still on their way
+(vLLM's output path runs beside the engine loop), plus `stream_interval - 1` tokens gathered per completion. The other
+way round, tokens of the first steps after the swap that reach the orchestrator before the reply (which also waits for
+vLLM to record the weight version, one more engine-core round trip) are stamped with the old version. So the stamp may
+be off by a few tokens per completion and update, either way; without a pause there is no window that separates them.
 """
 
 from collections.abc import Callable

@@ -21,12 +21,16 @@ Dataflow of version N (the policy after trainer step N; version 0 is the startin
         ipc                 the buckets laid out in a buffer shared with inference (wire/shared_buffer.py), offered
                             with its handle; DELIVERED frees it for the next version
     orchestrator (orchestrator/weight_loads.py, outside this package: it moves no tensor): pauses vLLM and drives vLLM's
-      weight-transfer API (/init_weight_transfer_engine per session, /update_weights with the folder or the manifest)
+      weight-transfer API (/init_weight_transfer_engine per session, /update_weights with the folder or the manifest);
+      `weights.no_stall` (an open session's broadcast): no pause; /start_weight_update, ACCEPT, /update_weights with
+      `stage`, the trainer's DELIVERED awaited while vLLM generates, then /finish_weight_update swaps the version in
     each vLLM worker
       receive/engine.py     vLLM's weight-transfer engine `slipstream` (registered by inference/vllm_plugin.py)
       receive/receiver.py   joins the session, takes the version from the folder, the broadcast or the shared buffer
       receive/bucket_receive.py  receives bucket k+1 while bucket k is loaded; lays several senders' pieces out whole
       receive/delta_receive.py   a delta onto the *mirror* of the version before, checked, then the whole bucket loads
+      receive/staging.py    (`weights.no_stall`) a background thread receives the version into *staging* memory (a
+                            buffer per bucket, or the delta mirror) while vLLM generates; the engine's finish swaps it in
       receive/copy_plan.py  the first version goes through vLLM's loaders, watched (receive/load_recorder.py); when
                             they only copied, later versions replay the *copy plan* into the parameters
       receiver.check_loaded every tensor of the version reached the loader, else the update fails (HTTP 500)
@@ -61,6 +65,9 @@ Glossary (the words of this package, as the code uses them):
 - probe: the trainer's log-probs of a fixed text under version N (probe.json), which the orchestrator compares with
   inference's after each load. Completeness is the engine's name accounting, correctness the probe; only delta
   updates carry a checksum (of each bucket's full new bytes).
+- staging: a no-stall update's version received whole beside the model (which serves the version before) and loaded
+  by the *swap* inside /finish_weight_update, between two engine steps; costs one copy of the published weights per
+  worker (none more with delta: the mirror holds it).
 - delta: a bucket sent as the elements whose bits changed since the version before (int32 indices + new values), when
   that is smaller than the bucket; the receiver's *mirror* holds the version before of every bucket (one copy of the
   published weights), and a bucket whose checksum fails goes again whole in the version's *repair round*.

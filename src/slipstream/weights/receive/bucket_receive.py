@@ -28,8 +28,12 @@ class ReceiveBuffers:
     largest bucket. With several senders these take the wire layout, and as many more (allocated at the first bucket
     laid out whole) the tensors laid out whole; loads that read the wire need no more."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, keep_all: bool = False) -> None:
         self.device = device
+        self.keep_all = keep_all
+        """A buffer of its own per bucket, all allocated at `start`: every bucket's views stay valid until the next
+        version (staging, weights/receive/staging.py: one copy of the published weights; with several senders 2 wire
+        buffers more)."""
         self.buckets: tuple[Bucket, ...] | None = None
         self.slots: list[torch.Tensor | None] = []
         self.wires: list[torch.Tensor] = []
@@ -49,6 +53,9 @@ class ReceiveBuffers:
         n = min(NUM_SLOTS, len(buckets))
         if manifest.senders > 1:
             self.wires = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(n)]
+        if self.keep_all:
+            self.slots = [torch.empty(b.nbytes, dtype=torch.uint8, device=self.device) for b in buckets]
+        elif manifest.senders > 1:
             self.slots = [None] * n  # allocated when a bucket is first laid out (loads that read the wire need none)
         else:
             self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(n)]

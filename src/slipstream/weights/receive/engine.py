@@ -13,10 +13,19 @@ loaders or its layer-wise reload; pieces of several trainer ranks are copied str
 in, without being laid out whole first. Otherwise (vLLM's CPU build repacks linear weights; quantized layers transform
 them) every version keeps going through vLLM, and the log says why once. `SLIPSTREAM_WEIGHT_COPY_PLAN=0` turns the
 replay off.
+
+No-stall updates (`weights.no_stall`): /update_weights with `"stage": true` only starts receiving the version in a
+background thread (weights/receive/staging.py) and returns, so vLLM keeps generating with the version before; nothing
+touches the model until /finish_weight_update, which waits for the thread (normally done) and loads the staged buckets
+(copy-plan replay, else vLLM's layer-wise reload: initialize, load_weights, finalize, refresh_tied_modules, then
+check_loaded), all in that one call, between two engine steps. So a version's loads are prepared (the layer-wise
+reload initialized, which moves parameters to the meta device) where its first load begins, not at
+start_weight_update.
 """
 
 import logging
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -29,6 +38,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from slipstream.weights.receive.copy_plan import PlanMismatch, PlannedLoads
 from slipstream.weights.receive.receiver import WeightReceiver, check_loaded
+from slipstream.weights.receive.staging import StagedVersion, Stager
 from slipstream.weights.wire.bucket_assembly import BucketAssembler
 from slipstream.weights.wire.collective import GroupInit
 from slipstream.weights.wire.stream import BroadcastSink, Bucket, Manifest
@@ -49,6 +59,8 @@ class SlipstreamUpdateInfo(WeightTransferUpdateInfo):
     shared: dict[str, Any] | None = field(default=None)
     """The `ipc` transport: the handle of the trainer's buffer holding the manifest's buckets
     (weights/wire/shared_buffer.py)."""
+    stage: bool = False
+    """`weights.no_stall`: receive the broadcast in the background and load it at /finish_weight_update."""
 
 
 class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamUpdateInfo]):
@@ -66,34 +78,63 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
         self._loaded: set[str] = set()
         self.loads = PlannedLoads(enabled=os.environ.get(COPY_PLAN_ENV, "1") != "0")
         self._layerwise = False
+        self._prepared = False
+        """The version's loads began (the copy plan asked, vLLM's layer-wise reload initialized if it loads)."""
+        self.stager = Stager(self.receiver)
 
     def init_transfer_engine(self, init_info: GroupInit) -> None:
+        self.stager.release()
         self.receiver.join(init_info)
         logger.info("slipstream weight transfer: joined session %s (%s)", init_info.session, init_info.backend)
 
     def start_weight_update(self) -> None:
         if self._layerwise:
             self._close_unfinished()
+        self.stager.abandon()  # a version staged by an update that never finished
         self._tied = shared_parameter_groups(self.model)
         self._loaded = set()
         self._layerwise = False
+        self._prepared = False
+
+    def _prepare(self, manifest: dict[str, Any] | None) -> None:
+        """The version's loads begin: replay the copy plan if it still fits `manifest`'s buckets, else vLLM's
+        layer-wise reload (which moves the parameters to the meta device until finish: never while staging)."""
+        if self._prepared:
+            return
+        self._prepared = True
         if not self.loads.start(lambda: model_tensors(self.model)):
             self._load_through_vllm()
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        # vLLM's default synchronises torch.accelerator, which raises on CPU; the receiver syncs CUDA itself.
-        self.receive_weights(self.parse_update_info(update_info))
-
-    def receive_weights(self, update_info: SlipstreamUpdateInfo) -> None:
-        info = {k: v for k, v in asdict(update_info).items() if v is not None}
-        if self.loads.replaying() and update_info.manifest is not None:
-            buckets = Manifest.from_dict(update_info.manifest).buckets
+        elif manifest is not None:
+            buckets = Manifest.from_dict(manifest).buckets
             if not self.loads.expect([tuple(t.name for t in b.tensors) for b in buckets]):
                 logger.info("slipstream weight transfer: other buckets than the copy plan's; loading through vLLM")
                 self._load_through_vllm()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # vLLM's default synchronises torch.accelerator, which raises on CPU; the receiver syncs CUDA itself.
+        info = self.parse_update_info(update_info)
+        if info.stage:
+            self.stager.start({k: v for k, v in asdict(info).items() if v is not None and k != "stage"})
+            return  # vLLM generates on while the version streams in; finish_weight_update swaps it in
+        self.receive_weights(info)
+
+    def receive_weights(self, update_info: SlipstreamUpdateInfo) -> None:
+        info = {k: v for k, v in asdict(update_info).items() if v is not None and k != "stage"}
+        self._prepare(update_info.manifest)
         stats = self.receiver.receive(info, self._load, self._load_wire)
         logger.info("slipstream weight transfer: %s", stats.to_dict())
         check_loaded(stats, self._loaded)  # every tensor received went to the model (else HTTP 500, run stops)
+
+    def _swap(self) -> StagedVersion:
+        """Load the staged version into the model (inside finish_weight_update, before vLLM's layer-wise reload is
+        finalized): every bucket from staging memory, then the same completeness check as a paused load."""
+        staged = self.stager.take()
+        logger.info("slipstream weight transfer: staged %s", staged.stats.to_dict())
+        self._prepare(staged.manifest.to_dict())
+        for pairs in staged.buckets:
+            self._load(pairs)
+        check_loaded(staged.stats, self._loaded)
+        return staged
 
     def _load(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         self._loaded.update(name for name, _ in pairs)
@@ -152,6 +193,8 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        start = time.perf_counter()
+        staged = self._swap() if self.stager.active else None
         if self._layerwise:
             with self.loads.finish():
                 finalize_layerwise_reload(self.model, self.model_config)
@@ -159,11 +202,21 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
             if refreshed:
                 logger.info("slipstream weight transfer: refreshed tied modules %s", refreshed)
         self._layerwise = False
-        line = self.loads.end(model_tensors(self.model))
-        if line:
-            logger.info("slipstream weight transfer: %s", line)
+        if self._prepared:
+            self._prepared = False
+            line = self.loads.end(model_tensors(self.model))
+            if line:
+                logger.info("slipstream weight transfer: %s", line)
+        if staged is not None:
+            logger.info(
+                "slipstream weight transfer: swapped in version %d in %.4f s (of which %.4f s waiting for its staging)",
+                staged.stats.step,
+                time.perf_counter() - start,
+                staged.waited_s,
+            )
 
     def shutdown(self) -> None:
+        self.stager.release()
         self.receiver.shutdown()
 
     @staticmethod

@@ -75,13 +75,20 @@ class WeightReceiver:
         self.group = open_group(self.store, init, rank, self.device)
         self.init = init
 
-    def receive(self, update_info: dict, load: Loader, direct: DirectLoader | None = None) -> ReceiveStats:
+    def receive(
+        self,
+        update_info: dict,
+        load: Loader,
+        direct: DirectLoader | None = None,
+        buffers: ReceiveBuffers | None = None,
+    ) -> ReceiveStats:
         """Take one version: `{"step": N, "path": folder}` reads the published folder's safetensors (READY marker
         required); `{"step": 0, "model": folder}` the model's own checkpoint folder (the initial weights, no marker);
         `{"step": N, "manifest": {...}}` receives the manifest's buckets from the sender's broadcast, or with
         `"shared": handle` reads them from the trainer's shared buffer. `direct` may load a bucket of several
         senders' pieces straight from its wire buffer (weights/receive/bucket_receive.py); `load` gets every other
-        one."""
+        one. `buffers`: where a plain broadcast lands instead of the receiver's own two reused ones (staging keeps
+        a buffer per bucket, weights/receive/staging.py)."""
         start = time.perf_counter()
         delta = None
         step = update_info.get("step") if isinstance(update_info, dict) else None
@@ -115,7 +122,8 @@ class WeightReceiver:
                     for pairs in receive_delta(self.group, manifest, self.mirror, delta):
                         load(pairs)
                 else:
-                    for pairs in receive_buckets(self.group, manifest, self.device, self.buffers, direct):
+                    into = buffers if buffers is not None else self.buffers
+                    for pairs in receive_buckets(self.group, manifest, self.device, into, direct):
                         load(pairs)
                 source = "broadcast"
             names, num_bytes = {t.name for b in manifest.buckets for t in b.tensors}, manifest.nbytes

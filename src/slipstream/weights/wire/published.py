@@ -15,6 +15,9 @@ from slipstream.rundir import RunDir
 INCOMPLETE_MARKER = "weight update incomplete"
 """In the error of a version the engine received but did not load whole (weights/receive/receiver.check_loaded); the
 orchestrator tells it from a lost server by this text in vLLM's HTTP 500 reply (orchestrator/client.py)."""
+STAGING_FAILED = "weight staging failed"
+"""In the error of a no-stall update whose version could not be staged (weights/receive/staging.py), told apart the
+same way."""
 
 
 def weights_dir(output_dir: Path, step: int) -> Path:
