@@ -142,6 +142,8 @@ def test_a_no_stall_update_swaps_between_engine_steps_while_tokens_stream(
         async with InferenceClient(server.url, config.model.name, request_timeout_s=300) as client:
             await client.wait_healthy(60)
             relay = WeightRelay(client, config)
+            while not is_offered(out, 1):  # the trainer thread writes its offer when it gets there
+                await asyncio.sleep(0.05)
             await relay.update(1)  # a new session: paused
             first = relay.take_metrics()
             _rpc(server.url, server.token, "take_fingerprints")  # the steps of version 2's update from here
