@@ -19,20 +19,10 @@ from slipstream.weights.send.delta_send import DeltaSender
 from slipstream.weights.wire.collective import GroupInit, close_group, open_group, open_store
 from slipstream.weights.wire.stream import Manifest, TensorMeta, broadcast, plan_buckets
 from tests.e2e.helpers import free_port
-from tests.unit.test_weight_delta_transfer import _step
+from tests.unit.test_weight_delta_transfer import _model, _step
 
 BUCKET_BYTES = 4096
 """Small buckets: the model below goes in several."""
-
-
-def _model(seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "embed": torch.randn(64, 32, generator=g).to(torch.bfloat16),
-        "q": torch.randn(32, 32, generator=g).to(torch.bfloat16),
-        "norm": torch.randn(32, generator=g),
-        "k": torch.randn(16, 32, generator=g).to(torch.bfloat16),
-    }
 
 
 PLAN = tuple(plan_buckets([TensorMeta.of(n, t) for n, t in _model().items()], BUCKET_BYTES))
