@@ -14,11 +14,13 @@ from tests.distributed.helpers import BatchedRanks, selected_params, train_and_r
 
 NUM_STEPS = 5
 LR = 1e-3
-MAX_WEIGHT_MISMATCH = 0.25 * LR
+MAX_WEIGHT_MISMATCH = LR
+MEAN_WEIGHT_MISMATCH = 1e-3 * LR
 """After NUM_STEPS AdamW steps. The gradients agree to ~1e-8 (checked above at 1e-5), but AdamW divides each
 element's momentum by its own RMS, so an element whose gradient is near zero moves by up to ~lr on rounding alone, in
-either direction: the weights of parallel and single runs may differ by a fraction of lr there (laguna-ep2 measured
-1.37e-4 on the CPU of 2026-11-28, under 1e-4 on those of earlier runs). A sharding bug in the optimizer state moves weights by ~lr everywhere."""
+either direction: the weights of parallel and single runs may differ by a fraction of lr there (laguna-ep2's largest:
+under 1e-4 on the CPUs of earlier runs, 1.37e-4 on 2026-11-28, 3.71e-4 on 2026-11-29), at a few elements. A sharding
+bug in the optimizer state moves weights by ~lr everywhere: the mean difference tells the two apart."""
 CASES = {
     # name: (family, world size, data-parallel ranks (batch files), parallel config, loss kind)
     "qwen3_moe-ep2": ("qwen3_moe", 2, 2, ParallelConfig(ep=2), "dppo_tv"),
@@ -140,7 +142,11 @@ def test_ep_and_cp_match_one_process(tiny_model_factory, tmp_path, case, multi_r
     initial_state = initial.state_dict()
     largest_update = max((want["state"][k] - initial_state[k]).abs().max().item() for k in want["state"])
     largest_mismatch = max((got["state"][k] - want["state"][k]).abs().max().item() for k in want["state"])
+    mean_mismatch = sum((got["state"][k] - want["state"][k]).abs().sum().item() for k in want["state"]) / sum(
+        t.numel() for t in want["state"].values()
+    )
     print(
         f"{case}: masked {first_want['masked_fraction']:.2f}, max grad diff {grad_diff:.2e}, max weight diff after {NUM_STEPS} steps {largest_mismatch:.2e}"
     )
-    assert largest_update > LR > MAX_WEIGHT_MISMATCH >= largest_mismatch
+    assert largest_update > LR >= MAX_WEIGHT_MISMATCH >= largest_mismatch
+    assert mean_mismatch <= MEAN_WEIGHT_MISMATCH, f"weights differ by {mean_mismatch:.2e} on average"

@@ -35,7 +35,7 @@ def test_sft_fsdp_two_ranks_equals_one_process(tiny_qwen3_dir, tmp_path):
     w2 = load_file(RunDir(two.output_dir).weights_dir(3) / "model.safetensors")
     assert w1.keys() == w2.keys()
     for k in w1:
-        torch.testing.assert_close(w1[k], w2[k], rtol=0, atol=1e-5)
+        torch.testing.assert_close(w1[k], w2[k], rtol=0, atol=1e-4)  # AdamW: near-zero gradients, rounding x lr
 
 
 def test_sft_context_parallel_with_prefix_trees_equals_one_process(tiny_qwen3_dir, tmp_path):
@@ -56,4 +56,4 @@ def test_sft_context_parallel_with_prefix_trees_equals_one_process(tiny_qwen3_di
     w1 = load_file(RunDir(one.output_dir).weights_dir(2) / "model.safetensors")
     w2 = load_file(RunDir(two.output_dir).weights_dir(2) / "model.safetensors")
     for k in w1:
-        torch.testing.assert_close(w1[k], w2[k], rtol=0, atol=1e-5)
+        torch.testing.assert_close(w1[k], w2[k], rtol=0, atol=1e-4)  # AdamW: near-zero gradients, rounding x lr

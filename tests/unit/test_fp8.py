@@ -235,7 +235,9 @@ def test_cublas_padding_leaves_the_product_unchanged(n, i, padded_shape):
     pqx, psx, pqw, psw = cublas_padded_operands(qx, sx, qw, sw)
     assert pqx.shape == padded_shape and pqx.dtype == qx.dtype and pqw.shape == (272, padded_shape[1])
     assert psx.shape == (padded_shape[0], padded_shape[1] // 128) and psw.shape == (3, padded_shape[1] // 128)
-    torch.testing.assert_close(block_matmul_reference(pqx, psx, pqw, psw)[:n], block_matmul_reference(qx, sx, qw, sw))
+    padded, plain = block_matmul_reference(pqx, psx, pqw, psw)[:n], block_matmul_reference(qx, sx, qw, sw)
+    # float32 summation order moves a sum by a few ulps of its largest terms, not of each (possibly tiny) result
+    torch.testing.assert_close(padded, plain, rtol=0, atol=4e-6 * plain.abs().max().item())
 
 
 def tiny_model(family: str) -> nn.Module:

@@ -127,7 +127,8 @@ def test_sft_loss_and_gradients_with_trees_equal_whole_conversations(tiny_model_
         assert sum(packed_micro_batch(b, CPU).num_tokens for b in bins) == sum(s.num_tokens for s in samples) - saved
         assert loss == pytest.approx(whole_loss, rel=1e-6)
         for name, grad in whole_grads.items():
-            torch.testing.assert_close(tree_grads[name], grad, rtol=1e-5, atol=1e-7)
+            # float32 summation order: a few ulps of the tensor's largest entries, not of each (possibly tiny) one
+            torch.testing.assert_close(tree_grads[name], grad, rtol=1e-5, atol=1e-6 * grad.abs().max().item())
         for t in trees:  # each tree shares what the rule allows its conversations, at least the system message
             ids, masks = [s.input_ids for s in t.samples], [s.loss_mask for s in t.samples]
             assert t.prefix_len == shared_prefix_len(ids, masks) >= 5

@@ -87,7 +87,7 @@ def test_policy_logprobs_of_a_packed_micro_batch_equal_each_sample_alone(vlm_dir
             tokens = mb.input_ids[entry.start : entry.start + entry.num_tokens]
             (alone_L,) = vlm_logprobs(model, [VLMSample(tokens, inputs["pixel_values"], inputs["image_grid_thw"])])
             got_L = logprobs_T[entry.start : entry.start + entry.num_tokens]
-            torch.testing.assert_close(got_L, alone_L, atol=1e-5, rtol=0)
+            torch.testing.assert_close(got_L, alone_L, atol=5e-5, rtol=0)  # float32 summation order
 
 
 def test_train_step_with_a_frozen_vision_encoder_moves_the_language_model_only(vlm_dir, rollouts, tmp_path):

@@ -8,8 +8,9 @@ import sys
 import time
 
 LEVEL_ENV = "SLIPSTREAM_LOG_LEVEL"
-# per-request INFO lines of HTTP clients would drown the one line per step
-_QUIET_LOGGERS = ("httpx", "httpcore", "urllib3")
+# per-request INFO lines of HTTP clients would drown the one line per step; matplotlib says once per fresh install
+# that it built its font cache
+_QUIET_LOGGERS = ("httpx", "httpcore", "urllib3", "matplotlib")
 
 
 class _StdoutHandler(logging.StreamHandler):
