@@ -6,7 +6,7 @@ flags) and to a bare vLLM server of the same model and engine flags.
     python benchmarks/gpu_loop.py --model DIR --name smollm2 --steps 20 --async-levels 1 0 --baseline
     python benchmarks/gpu_loop.py --model DIR --name smollm2 --steps 10 --async-levels 0 --colocate   # 1 GPU
 
-`--colocate` runs vLLM and the trainer on GPU 0 taking turns (deployment.colocate; vLLM sleeps at `--sleep-level`
+`--colocate` runs vLLM and the trainer on GPU 0 (`--gpu`) taking turns (deployment.colocate; vLLM sleeps at `--sleep-level`
 while the trainer steps, weights through CUDA IPC) and adds the turns' medians (`colocate_ms`: draining requests,
 sleeping, waking, the trainer's turn) and the memory each process held at its peak (nvidia-smi, sampled).
 
@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 
 def rl_config(model: str, out: Path, steps: int, async_level: int, args: argparse.Namespace) -> dict:
-    inference = {"max_model_len": 1024, "max_num_seqs": 256, "enforce_eager": args.eager}
+    inference = {"max_model_len": 1024, "max_num_seqs": 256, "enforce_eager": args.eager, "port": args.port}
     if args.router_replay:  # MoE: the trainer takes the experts vLLM routed each token to (returned with completions)
         inference["enable_return_routed_experts"] = True
     if args.gpu_memory_utilization is not None:
@@ -56,9 +56,11 @@ def rl_config(model: str, out: Path, steps: int, async_level: int, args: argpars
         "max_steps": steps,
         "output_dir": str(out),
         "seed": 0,
-        "model": {"name": model, "dtype": "bfloat16"},
+        "model": {"name": model, "dtype": "bfloat16", "head_dtype": args.head_dtype},
         "deployment": (
-            {"gpus": [0], "colocate": True, "sleep_level": args.sleep_level} if args.colocate else {"gpus": [0, 1]}
+            {"gpus": [args.gpu], "colocate": True, "sleep_level": args.sleep_level}
+            if args.colocate
+            else {"gpus": [0, 1]}
         ),
         "inference": inference,
         "orchestrator": {
@@ -71,8 +73,8 @@ def rl_config(model: str, out: Path, steps: int, async_level: int, args: argpars
             "router_replay": args.router_replay,
             "weight_check": {"max_floor": args.max_floor},
         },
-        "trainer": {"optim": {"lr": args.lr, "max_grad_norm": 1.0}},
-        "launch": {"health_timeout_s": 900},
+        "trainer": {"optim": {"lr": args.lr, "max_grad_norm": 1.0}, "compile": args.compile},
+        "launch": {"health_timeout_s": 900, "trainer_master_port": args.port + 21400},
     }
 
 
@@ -286,6 +288,12 @@ def main() -> None:
     p.add_argument("--colocate", action="store_true", help="vLLM and the trainer share GPU 0, taking turns")
     p.add_argument("--sleep-level", type=int, default=1, choices=(0, 1, 2), help="deployment.sleep_level")
     p.add_argument("--max-floor", type=float, default=1.0, help="orchestrator.weight_check.max_floor")
+    p.add_argument("--gpu", type=int, default=0, help="--colocate: the GPU (its index on the node)")
+    p.add_argument("--compile", action="store_true", help="trainer.compile (torch.compile each block)")
+    p.add_argument("--port", type=int, default=8000, help="vLLM's port (the trainer's rendezvous: port + 21400)")
+    p.add_argument(
+        "--head-dtype", default="float32", choices=("model", "float32"), help="model.head_dtype (the logits' dtype)"
+    )
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (vLLM starts sooner; for correctness runs)")
     p.add_argument("--out", type=Path, default=Path("outputs/gpu_loop"))
     args = p.parse_args()

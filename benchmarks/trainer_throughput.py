@@ -183,7 +183,10 @@ def run_impl(args: argparse.Namespace, impl: str, device: torch.device) -> Resul
         mesh = build_mesh(resolve_parallel_dims(parallel, args.world_size), device.type)
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     experts = find_grouped_experts(model) if impl == "custom" else []
-    policy = parallelize_model(Policy(model), mesh, parallel, compute_dtype, compile=compile, experts=experts)
+    head_dtype = torch.float32 if args.head_dtype == "float32" else None  # model.head_dtype
+    policy = parallelize_model(
+        Policy(model, head_dtype=head_dtype), mesh, parallel, compute_dtype, compile=compile, experts=experts
+    )
     if args.state_dtype == "bfloat16":
         optimizer = AdamWBf16Moments(policy.parameters(), lr=1e-6)
     else:
@@ -374,6 +377,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="varlen",
         choices=["varlen", "flex"],
         help="kernel for packed rows of --impl custom (trainer.packed_attention; flex: GPUs only)",
+    )
+    parser.add_argument(
+        "--head-dtype", default="float32", choices=["model", "float32"], help="model.head_dtype: the logits' dtype"
     )
     parser.add_argument("--compare-hf", action="store_true", help="also run --impl hf and print the ratio")
     parser.add_argument(

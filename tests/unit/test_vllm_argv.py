@@ -53,6 +53,7 @@ SHAPES = {
     "CPU": ([], {"model": {"name": "Qwen/Qwen3-0.6B", "dtype": "float32"}}, 1, 1),
     "router replay": ([0, 1], {"inference": {"enable_return_routed_experts": True}}, 1, 1),
     "stream interval": ([0, 1], {"inference": {"stream_interval": 8}}, 1, 1),
+    "bfloat16 head": ([0, 1], {"model": {"name": "Qwen/Qwen3-0.6B", "head_dtype": "model"}}, 1, 1),
 }
 
 
@@ -84,6 +85,30 @@ def test_vllm_parses_our_command_line(shape):
     assert engine.enable_return_routed_experts == routed
     assert engine.stream_interval == sections.get("inference", {}).get("stream_interval", 1)
     assert ("--stream-interval" in argv) == ("stream_interval" in sections.get("inference", {}))
+    # model.head_dtype "float32" (default) on bfloat16 GPUs; nothing to override for a float32 model or with "model"
+    float32_head = bool(visible) and sections.get("model", {}).get("head_dtype", "float32") == "float32"
+    assert engine.hf_overrides == ({"head_dtype": "float32"} if float32_head else {})
+
+
+def test_a_float32_head_reaches_vllm_s_model_config():
+    """vLLM reads our --hf-overrides into the model config's head_dtype, which its LogitsProcessor honours."""
+    import torch
+    from vllm.config.model import _get_head_dtype
+
+    config = inference_config([0, 1])
+    _, engine = parse_vllm_argv(build_vllm_argv(config, Path("/m")))
+    hf_config = argparse.Namespace(**engine.hf_overrides)
+    assert _get_head_dtype(hf_config, torch.bfloat16, "generate") == torch.float32
+
+
+def test_a_float32_head_and_hf_overrides_in_extra_args_are_refused():
+    config = inference_config([0, 1], inference={"extra_args": ["--hf-overrides", "{}"]})
+    with pytest.raises(ValueError, match="head_dtype"):
+        build_vllm_argv(config, Path("/m"))
+    config = inference_config(
+        [0, 1], model={"name": "m", "head_dtype": "model"}, inference={"extra_args": ["--hf-overrides", "{}"]}
+    )
+    assert "--hf-overrides" in build_vllm_argv(config, Path("/m"))  # theirs alone
 
 
 @pytest.mark.parametrize(

@@ -56,6 +56,14 @@ def build_vllm_argv(config: InferenceConfig, model_path: Path) -> list[str]:
         argv.append("--enable-chunked-prefill" if config.chunked_prefill else "--no-enable-chunked-prefill")
     if config.enable_return_routed_experts:
         argv.append("--enable-return-routed-experts")
+    if config.model.head_dtype != "model" and config.model.head_dtype != config.model.dtype:
+        # the trainer computes its logits in the same dtype (trainer/lm_head.py)
+        if any(arg.split("=")[0] == "--hf-overrides" for arg in config.extra_args):
+            raise ValueError(
+                "model.head_dtype sets vLLM's --hf-overrides, which inference.extra_args sets too (the last would "
+                'win): add "head_dtype" to the overrides in extra_args and leave model.head_dtype = "model"'
+            )
+        argv += ["--hf-overrides", json.dumps({"head_dtype": config.model.head_dtype})]
     if config.tool_call_parser is not None:
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
     if on_gpu:

@@ -50,11 +50,11 @@ def _kernel(fn: Callable, x: Tensor) -> Callable:
 
 class _FusedLMHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_CD, weight_VD, bias_V, token_ids_C, temperatures_C, compute_dtype):
-        logits_CV = _logits(hidden_CD, weight_VD, bias_V, compute_dtype)
+    def forward(ctx, hidden_CD, weight_VD, bias_V, token_ids_C, temperatures_C, compute_dtype, logits_dtype):
+        logits_CV = _logits(hidden_CD, weight_VD, bias_V, compute_dtype, logits_dtype)
         logprobs_C, entropy_C, lse_C = _kernel(logit_stats, logits_CV)(logits_CV, token_ids_C, temperatures_C)
         ctx.save_for_backward(hidden_CD, weight_VD, bias_V, token_ids_C, temperatures_C, lse_C)
-        ctx.compute_dtype = compute_dtype
+        ctx.compute_dtype, ctx.logits_dtype = compute_dtype, logits_dtype
         ctx.mark_non_differentiable(entropy_C)  # entropy is logged, never trained on
         return logprobs_C, entropy_C
 
@@ -63,32 +63,51 @@ class _FusedLMHead(torch.autograd.Function):
         hidden_CD, weight_VD, bias_V, token_ids_C, temperatures_C, lse_C = ctx.saved_tensors
         dtype = ctx.compute_dtype
         hidden_c, weight_c = hidden_CD.to(dtype), weight_VD.to(dtype)
-        logits_CV = _logits(hidden_c, weight_c, bias_V, dtype)
+        logits_CV = _logits(hidden_c, weight_c, bias_V, dtype, ctx.logits_dtype)
         grad = _kernel(logits_grad, logits_CV)(logits_CV, token_ids_C, temperatures_C, lse_C, grad_logprobs_C)
         del logits_CV
+        grad = grad.to(dtype)  # float32 logits (head_dtype): the two matmuls still run in the compute dtype
         grad_hidden = (grad @ weight_c).to(hidden_CD.dtype) if ctx.needs_input_grad[0] else None
         grad_weight = (grad.T @ hidden_c).to(weight_VD.dtype) if ctx.needs_input_grad[1] else None
         grad_bias = grad.sum(0).to(bias_V.dtype) if bias_V is not None and ctx.needs_input_grad[2] else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
-def _logits(hidden_CD: Tensor, weight_VD: Tensor, bias_V: Tensor | None, dtype: torch.dtype) -> Tensor:
+def _logits(
+    hidden_CD: Tensor, weight_VD: Tensor, bias_V: Tensor | None, dtype: torch.dtype, logits_dtype: torch.dtype
+) -> Tensor:
+    """hidden @ W^T + b with both operands rounded to `dtype`, the product kept in `logits_dtype` (float32 logits
+    from bfloat16 operands: what vLLM computes with head_dtype float32)."""
     with torch.autocast(hidden_CD.device.type, enabled=False):
-        bias_V = None if bias_V is None else bias_V.to(dtype)
-        return F.linear(hidden_CD.to(dtype), weight_VD.to(dtype), bias_V)
+        hidden_CD, weight_VD = hidden_CD.to(dtype), weight_VD.to(dtype)
+        if logits_dtype == dtype:
+            return F.linear(hidden_CD, weight_VD, None if bias_V is None else bias_V.to(dtype))
+        if hidden_CD.is_cuda and logits_dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16):
+            logits_CV = torch.mm(hidden_CD, weight_VD.t(), out_dtype=torch.float32)  # float32 out, no upcast copies
+        else:
+            logits_CV = F.linear(hidden_CD.to(logits_dtype), weight_VD.to(logits_dtype))
+        return logits_CV if bias_V is None else logits_CV + bias_V.to(logits_dtype)
 
 
 def lm_head_logprobs(
-    hidden_CD: Tensor, weight_VD: Tensor, bias_V: Tensor | None, token_ids_C: Tensor, temperatures_C: Tensor
+    hidden_CD: Tensor,
+    weight_VD: Tensor,
+    bias_V: Tensor | None,
+    token_ids_C: Tensor,
+    temperatures_C: Tensor,
+    head_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(logprobs_C, entropy_C), float32, of token_ids_C under softmax((hidden @ W^T + b) / temperature).
 
     The matmul runs in the autocast dtype when autocast is on (as inference computes its logits), else in the
-    inputs' dtype; the softmax is float32. Gradients flow to hidden, W and b through logprobs_C only.
+    inputs' dtype; its output (the logits) is in that dtype too unless `head_dtype` is wider (model.head_dtype =
+    "float32": operands rounded to the compute dtype, product kept in float32, as vLLM's float32 head). The softmax is
+    float32. Gradients flow to hidden, W and b through logprobs_C only.
     """
     device_type = hidden_CD.device.type
     if torch.is_autocast_enabled(device_type):
         compute_dtype = torch.get_autocast_dtype(device_type)
     else:
         compute_dtype = torch.promote_types(hidden_CD.dtype, weight_VD.dtype)
-    return _FusedLMHead.apply(hidden_CD, weight_VD, bias_V, token_ids_C, temperatures_C, compute_dtype)
+    logits_dtype = compute_dtype if head_dtype is None else torch.promote_types(compute_dtype, head_dtype)
+    return _FusedLMHead.apply(hidden_CD, weight_VD, bias_V, token_ids_C, temperatures_C, compute_dtype, logits_dtype)

@@ -54,11 +54,22 @@ def is_custom_model(model: nn.Module) -> bool:
 
 
 def compute_logprobs(
-    model: nn.Module, mb: PackedMicroBatch, chunk_size: int = DEFAULT_CHUNK_SIZE
+    model: nn.Module,
+    mb: PackedMicroBatch,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    head_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Return (logprobs_T, entropy_T): log p(input_ids[t] | its sample's prefix) at temperatures_T[t], and the
     entropy of that distribution. Both are 0 at each sample's first token. Gradients flow through logprobs_T."""
-    return packed_logprobs(model, mb.input_ids_T, mb.position_ids_T, mb.temperatures_T, chunk_size, layout=mb.layout)
+    return packed_logprobs(
+        model,
+        mb.input_ids_T,
+        mb.position_ids_T,
+        mb.temperatures_T,
+        chunk_size,
+        layout=mb.layout,
+        head_dtype=head_dtype,
+    )
 
 
 def packed_logprobs(
@@ -72,6 +83,7 @@ def packed_logprobs(
     replay_TRA: Tensor | None = None,
     images: "ImageInputs | None" = None,
     layout: PaddedLayout | None = None,
+    head_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`compute_logprobs` on the micro-batch's tensors. Packed samples never attend to each other: our models
     separate them by position_ids (one row, no padding) or run one padded row per sample where that is cheaper
@@ -85,6 +97,7 @@ def packed_logprobs(
     `replay_TRA` (router replay, our MoE models only) follows the tokens into whichever layout runs.
     `images` (vision-language models run by transformers): the micro-batch's images (vlm_batch.py).
     `layout`: `build_padded_layout(position_ids_T)` when the caller has it already (to_packed builds it on the CPU).
+    `head_dtype`: the LM head's logits dtype when wider than the compute dtype (model.head_dtype; lm_head.py).
     """
     if layout is None:
         layout = build_padded_layout(position_ids_T)
@@ -95,7 +108,15 @@ def packed_logprobs(
     is_target_T = ~layout.is_start_T if target_mask_T is None else target_mask_T & ~layout.is_start_T
     if context_parallel is not None:
         return _context_parallel_logprobs(
-            model, context_parallel, input_ids_T, position_ids_T, temperatures_T, chunk_size, is_target_T, replay_TRA
+            model,
+            context_parallel,
+            input_ids_T,
+            position_ids_T,
+            temperatures_T,
+            chunk_size,
+            is_target_T,
+            replay_TRA,
+            head_dtype,
         )
     if is_custom_model(model):
         hidden_TD = custom_hidden(model, input_ids_T, position_ids_T, layout, replay_TRA)
@@ -111,7 +132,7 @@ def packed_logprobs(
     target_N = torch.nonzero(is_target_T).squeeze(-1)
     hidden_ND = hidden_TD[layout.parent_T[target_N]]
     return _scatter_head_logprobs(
-        head_weight_VD, head_bias_V, hidden_ND, input_ids_T, temperatures_T, target_N, chunk_size
+        head_weight_VD, head_bias_V, hidden_ND, input_ids_T, temperatures_T, target_N, chunk_size, head_dtype
     )
 
 
@@ -164,6 +185,7 @@ def _context_parallel_logprobs(
     chunk_size: int,
     is_target_T: Tensor,
     replay_TRA: Tensor | None = None,
+    head_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """packed_logprobs of our model with the row sharded over the cp group (parallel/cp.py)."""
     if not is_custom_model(model):
@@ -185,6 +207,7 @@ def _context_parallel_logprobs(
         temperatures_T,
         target_N,
         chunk_size,
+        head_dtype,
     )
     return cp.sum_over_ranks(logprobs_T), cp.sum_over_ranks(entropy_T).detach()
 
@@ -197,10 +220,17 @@ def _scatter_head_logprobs(
     temperatures_T: Tensor,
     target_N: Tensor,
     chunk_size: int,
+    head_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(logprobs_T, entropy_T): the LM head for targets `target_N` (predicted from `hidden_ND`), 0 elsewhere."""
     logprobs_N, entropy_N = chunked_lm_head_logprobs(
-        head_weight_VD, hidden_ND, input_ids_T[target_N], temperatures_T[target_N], chunk_size, head_bias_V
+        head_weight_VD,
+        hidden_ND,
+        input_ids_T[target_N],
+        temperatures_T[target_N],
+        chunk_size,
+        head_bias_V,
+        head_dtype,
     )
     zeros_T = torch.zeros(input_ids_T.numel(), dtype=torch.float32, device=hidden_ND.device)
     return zeros_T.index_copy(0, target_N, logprobs_N), zeros_T.index_copy(0, target_N, entropy_N)
@@ -272,6 +302,7 @@ def chunked_lm_head_logprobs(
     temperatures_N: Tensor,
     chunk_size: int,
     head_bias_V: Tensor | None = None,
+    head_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Log-probs of token_ids_N and entropies (float32) under softmax((hidden_ND @ W^T + b) / temperature),
     chunk by chunk through the fused head (trainer/lm_head.py): no [N, V] tensor is ever materialised, forward or
@@ -284,7 +315,7 @@ def chunked_lm_head_logprobs(
     for start in range(0, max(hidden_ND.shape[0], 1), chunk_size):
         chunk = slice(start, start + chunk_size)
         lp_C, ent_C = lm_head_logprobs(
-            hidden_ND[chunk], head_weight_VD, head_bias_V, token_ids_N[chunk], temperatures_N[chunk]
+            hidden_ND[chunk], head_weight_VD, head_bias_V, token_ids_N[chunk], temperatures_N[chunk], head_dtype
         )
         logprobs.append(lp_C)
         entropies.append(ent_C)

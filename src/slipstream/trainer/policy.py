@@ -31,15 +31,21 @@ class Policy(nn.Module):
     (PackedMicroBatch.layout).
 
     With `context_parallel` (parallel/cp.py) the ranks of a cp group pass the same micro-batch, each runs its shard
-    of the row, and each returns the whole row's values; `owned_tokens` says which tokens' loss a rank adds up."""
+    of the row, and each returns the whole row's values; `owned_tokens` says which tokens' loss a rank adds up.
+    `head_dtype`: float32 keeps the LM head's logits in float32 (model.head_dtype); None: the compute dtype."""
 
     def __init__(
-        self, model: nn.Module, chunk_size: int = DEFAULT_CHUNK_SIZE, context_parallel: ContextParallel | None = None
+        self,
+        model: nn.Module,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        context_parallel: ContextParallel | None = None,
+        head_dtype: torch.dtype | None = None,
     ):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
         self.context_parallel = context_parallel
+        self.head_dtype = head_dtype
 
     def forward(
         self,
@@ -62,6 +68,7 @@ class Policy(nn.Module):
             replay_TRA=replay_TRA,
             images=images,
             layout=layout,
+            head_dtype=self.head_dtype,
         )
 
     def owned_tokens(

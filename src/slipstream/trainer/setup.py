@@ -34,6 +34,12 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def head_dtype_of(model: ModelConfig) -> torch.dtype | None:
+    """The LM head's logits dtype for Policy and the probe: float32 with model.head_dtype = "float32" (the default; a
+    no-op for a float32 model), None (the compute dtype) with "model"."""
+    return torch.float32 if model.head_dtype == "float32" else None
+
+
 @dataclass
 class Trainer:
     """Everything the loop needs, built once by setup_trainer."""
@@ -65,6 +71,8 @@ class Trainer:
     start_step: int = 0
     """Last step already trained (from the checkpoint resumed from); the loop starts at start_step + 1."""
     owns_process_group: bool = False
+    head_dtype: torch.dtype | None = None
+    """model.head_dtype "float32": the LM head's logits in float32 (lm_head.py); None: the compute dtype."""
     image_inputs: Any = None
     """[model.vlm]: builds a micro-batch's image inputs (trainer/vlm_batch.py ImageProcessorInputs); None: text."""
 
@@ -118,10 +126,11 @@ def setup_trainer(config: TrainerConfig) -> Trainer:
         apply_fp8(model, device)
     setup_lora(model, config)
     compute_dtype = DTYPES[config.model.dtype]
+    head_dtype = head_dtype_of(config.model)
     mesh = build_mesh(dims, device.type) if info.world_size > 1 else None
     context_parallel = ContextParallel(mesh.cp) if mesh is not None and mesh.cp is not None else None
     policy = parallelize_model(
-        Policy(model, context_parallel=context_parallel),
+        Policy(model, context_parallel=context_parallel, head_dtype=head_dtype),
         mesh,
         config.parallel,
         compute_dtype,
@@ -154,6 +163,7 @@ def setup_trainer(config: TrainerConfig) -> Trainer:
         data_rank=dims.data_rank(info.rank),
         num_data_ranks=dims.num_data_ranks,
         owns_process_group=owns_process_group,
+        head_dtype=head_dtype,
     )
     if config.model.vlm is not None:
         from slipstream.trainer.vlm_batch import ImageProcessorInputs

@@ -36,9 +36,12 @@ def build_probe_token_ids(tokenizer: "PreTrainedTokenizerBase", text: str) -> li
 
 
 @torch.no_grad()
-def compute_probe_logprobs(model: nn.Module, token_ids: list[int]) -> list[float]:
+def compute_probe_logprobs(
+    model: nn.Module, token_ids: list[int], head_dtype: torch.dtype | None = None
+) -> list[float]:
     """logprobs[i] = log p(token_ids[i + 1] | token_ids[: i + 1]) at temperature 1, in eval mode, computed in the
-    model's own parameter dtype (no autocast); the LM-head log-softmax is float32."""
+    model's own parameter dtype (no autocast), the logits in `head_dtype` if given (model.head_dtype); the LM-head
+    log-softmax is float32."""
     device = next(model.parameters()).device
     num_tokens = len(token_ids)
     mb = PackedMicroBatch(
@@ -52,7 +55,7 @@ def compute_probe_logprobs(model: nn.Module, token_ids: list[int]) -> list[float
     was_training = model.training
     model.eval()
     try:
-        logprobs_T, _ = compute_logprobs(model, mb)
+        logprobs_T, _ = compute_logprobs(model, mb, head_dtype=head_dtype)
     finally:
         model.train(was_training)
     return logprobs_T[1:].tolist()

@@ -424,7 +424,9 @@ def probe_logprobs(trainer: Trainer) -> dict:
     if trainer.world_size == 1:
         return {
             "token_ids": token_ids,
-            "logprobs": compute_probe_logprobs(cast_model(trainer.model, trainer.compute_dtype), token_ids),
+            "logprobs": compute_probe_logprobs(
+                cast_model(trainer.model, trainer.compute_dtype), token_ids, trainer.head_dtype
+            ),
         }
     device = trainer.device
     ids_T = torch.tensor(token_ids, dtype=torch.long, device=device)
