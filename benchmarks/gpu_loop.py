@@ -15,7 +15,7 @@ Per run it prints the medians over the steps after the first two (warm-up: CUDA 
 - `pause_ms`: the time vLLM held in-flight requests for a weight update (pause to resume), per update;
 - `update_ms`: the whole update seen by the orchestrator (calibration, pause, load, probe check);
 - `send_gbps`: the trainer's weight send (bytes over `weights/send_s`, which leaves out `accept_wait_s`, the time the
-  trainer waited for the orchestrator to take the version);
+  trainer waited for the orchestrator to take the version); `wire_gbps`: over the sends alone (`weights/wire_s`);
 - `pause_phases_ms`: where the pause went, per vLLM admin call (`timing/weight_pause/<call>_s`; `<call>_server`: the
   server's own part of it);
 - `loop_lag_max_ms`: the orchestrator's event loop, its worst lateness in a step (utils/loop_lag.py);
@@ -171,6 +171,7 @@ def summarize(run: Path, wall: float) -> dict:
         "update_ms": _median(per_update, "timing/weight_update_s", 1e3),
         "send_s": _median(steady, "weights/send_s"),
         "send_gbps": _median(steady, "weights/send_gbps"),
+        "wire_gbps": _median(steady, "weights/wire_gbps"),
         "accept_wait_s": _median(steady, "weights/accept_wait_s"),
         "pause_phases_ms": {k.split("/")[-1][:-2]: _median(per_update, k, 1e3) for k in phases},
         "loop_lag_max_ms": _median(steady, "orchestrator/loop_lag_max_ms"),

@@ -76,6 +76,8 @@ def test_broadcast_survives_a_receiver_dying_mid_transfer(tiny_qwen3_dir, tmp_pa
         publisher.close()
         teardown_trainer(trainer)
     assert results[1]["weights/send_attempts"] == 2 and results[2]["weights/send_attempts"] == 1
+    for metrics in results.values():  # the sends alone: part of the whole send, which also writes offer and marker
+        assert 0 < metrics["weights/wire_s"] <= metrics["weights/send_s"] and metrics["weights/wire_gbps"] > 0
     # weights.track_changes: step 1 (the first, sent twice) has nothing to compare with; step 2 is the same model
     # (no training between), compared with the bytes of step 1 that went out whole on the second attempt.
     assert "weights/changed_fraction" not in results[1]

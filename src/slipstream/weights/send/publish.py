@@ -91,6 +91,9 @@ class WeightPublisher:
         self.session: str | None = None
         self.refused: set[str] = set()
         self.previous: tuple[int, list[float]] | None = None
+        self.wire_s: float | None = None
+        """Collective transports: the last publish's seconds in its sends (joining a new session included), without
+        the offer, the wait for an accept and the delivery files; None for the others."""
         """(version, probe log-probs) of the last version published or noted (note_start_probe)."""
         if self.transport in ("nccl", "gloo") and trainer.info.is_main:
             w = config.weights
@@ -172,7 +175,7 @@ class WeightPublisher:
         t_probe = time.perf_counter()
         if self.lora is not None:
             return self._publish_adapter(step, probe) | {"weights/probe_s": t_probe - start}
-        waited = 0.0
+        waited, self.wire_s = 0.0, None
         if self.changes is not None:
             self.changes.begin(step, manifest.buckets)
         if self.transport == "ipc":
@@ -185,6 +188,11 @@ class WeightPublisher:
         changes = self.changes.take() if self.changes is not None else {}
         if self.delta is not None:
             changes |= self.delta.take()
+        if self.wire_s is not None:  # collective transports: the sends alone, without offer and delivery files
+            changes |= {
+                "weights/wire_s": self.wire_s,
+                "weights/wire_gbps": manifest.nbytes / max(self.wire_s, 1e-9) / 1e9,
+            }
         return changes | {
             "weights/bytes": float(manifest.nbytes),
             "weights/send_s": seconds,
@@ -267,7 +275,7 @@ class WeightPublisher:
         files = self._keeps_files(step)
         if self.is_main:
             self._write_offer(folder, manifest, probe)
-        attempts = 0
+        attempts, self.wire_s = 0, 0.0
         while True:
             attempts += 1
             accept = None
@@ -277,12 +285,14 @@ class WeightPublisher:
                     self.config.output_dir, step, self.refused, self.config.weights.accept_timeout_s
                 )
                 waited += time.perf_counter() - asked
+            sending = time.perf_counter()
             if self.pieces is not None:
                 error = self._send_pieces(self._shared(accept), folder if files else None, manifest)
             else:
                 error = self._send_gathered(accept, stream, manifest, folder if files else None)
             if error is None and self.group is not None:
                 error = self._await_sent(step)
+            self.wire_s += time.perf_counter() - sending
             if self._agree(error is None):
                 break
             if error is not None:
