@@ -100,6 +100,8 @@ class GpuMemorySampler:
 
     def __init__(self) -> None:
         self.peak: dict[int, float] = {}
+        self.roles: dict[int, str] = {}
+        """Each pid's role, read while it runs (its /proc entry is gone once the run ends)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -122,11 +124,13 @@ class GpuMemorySampler:
                 pid, _, mib = line.partition(",")
                 if pid.strip().isdigit() and mib.strip().isdigit():
                     self.peak[int(pid)] = max(self.peak.get(int(pid), 0.0), int(mib) / 1024)
+                    if int(pid) not in self.roles:
+                        self.roles[int(pid)] = _role(int(pid))
 
     def peaks(self) -> dict[str, float]:
         named: dict[str, float] = {}
         for pid, gib in self.peak.items():
-            role = _role(pid)
+            role = self.roles.get(pid) or _role(pid)
             named[role] = max(named.get(role, 0.0), round(gib, 2))
         return named
 
