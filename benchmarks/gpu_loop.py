@@ -6,8 +6,8 @@ flags) and to a bare vLLM server of the same model and engine flags.
     python benchmarks/gpu_loop.py --model DIR --name smollm2 --steps 20 --async-levels 1 0 --baseline
     python benchmarks/gpu_loop.py --model DIR --name smollm2 --steps 10 --async-levels 0 --colocate   # 1 GPU
 
-`--colocate` runs vLLM and the trainer on GPU 0 (`--gpu`) taking turns (deployment.colocate; vLLM sleeps at `--sleep-level`
-while the trainer steps, weights through CUDA IPC) and adds the turns' medians (`colocate_ms`: draining requests,
+`--colocate` runs vLLM and the trainer on GPU 0 (`--gpu`) taking turns (deployment.colocate; vLLM sleeps at
+`--sleep-level` while the trainer steps, weights through CUDA IPC) and adds the turns' medians (`colocate_ms`: draining requests,
 sleeping, waking, the trainer's turn) and the memory each process held at its peak (nvidia-smi, sampled).
 
 Per run it prints the medians over the steps after the first two (warm-up: CUDA graphs, first updates):
@@ -74,7 +74,7 @@ def rl_config(model: str, out: Path, steps: int, async_level: int, args: argpars
             "weight_check": {"max_floor": args.max_floor},
         },
         "trainer": {"optim": {"lr": args.lr, "max_grad_norm": 1.0}, "compile": args.compile},
-        "launch": {"health_timeout_s": 900, "trainer_master_port": args.port + 21400},
+        "launch": {"health_timeout_s": 900},
     }
 
 
@@ -295,7 +295,7 @@ def main() -> None:
     p.add_argument("--max-floor", type=float, default=1.0, help="orchestrator.weight_check.max_floor")
     p.add_argument("--gpu", type=int, default=0, help="--colocate: the GPU (its index on the node)")
     p.add_argument("--compile", action="store_true", help="trainer.compile (torch.compile each block)")
-    p.add_argument("--port", type=int, default=8000, help="vLLM's port (the trainer's rendezvous: port + 21400)")
+    p.add_argument("--port", type=int, default=8000, help="vLLM's port (two runs on one node need two)")
     p.add_argument(
         "--head-dtype", default="float32", choices=("model", "float32"), help="model.head_dtype (the logits' dtype)"
     )

@@ -71,8 +71,6 @@ class Trainer:
     start_step: int = 0
     """Last step already trained (from the checkpoint resumed from); the loop starts at start_step + 1."""
     owns_process_group: bool = False
-    head_dtype: torch.dtype | None = None
-    """model.head_dtype "float32": the LM head's logits in float32 (lm_head.py); None: the compute dtype."""
     image_inputs: Any = None
     """[model.vlm]: builds a micro-batch's image inputs (trainer/vlm_batch.py ImageProcessorInputs); None: text."""
 
@@ -126,11 +124,10 @@ def setup_trainer(config: TrainerConfig) -> Trainer:
         apply_fp8(model, device)
     setup_lora(model, config)
     compute_dtype = DTYPES[config.model.dtype]
-    head_dtype = head_dtype_of(config.model)
     mesh = build_mesh(dims, device.type) if info.world_size > 1 else None
     context_parallel = ContextParallel(mesh.cp) if mesh is not None and mesh.cp is not None else None
     policy = parallelize_model(
-        Policy(model, context_parallel=context_parallel, head_dtype=head_dtype),
+        Policy(model, context_parallel=context_parallel, head_dtype=head_dtype_of(config.model)),
         mesh,
         config.parallel,
         compute_dtype,
@@ -163,7 +160,6 @@ def setup_trainer(config: TrainerConfig) -> Trainer:
         data_rank=dims.data_rank(info.rank),
         num_data_ranks=dims.num_data_ranks,
         owns_process_group=owns_process_group,
-        head_dtype=head_dtype,
     )
     if config.model.vlm is not None:
         from slipstream.trainer.vlm_batch import ImageProcessorInputs

@@ -91,10 +91,10 @@ class WeightPublisher:
         self.session: str | None = None
         self.refused: set[str] = set()
         self.previous: tuple[int, list[float]] | None = None
+        """(version, probe log-probs) of the last version published or noted (note_start_probe)."""
         self.wire_s: float | None = None
         """Collective transports: the last publish's seconds in its sends (joining a new session included), without
         the offer, the wait for an accept and the delivery files; None for the others."""
-        """(version, probe log-probs) of the last version published or noted (note_start_probe)."""
         if self.transport in ("nccl", "gloo") and trainer.info.is_main:
             w = config.weights
             port = w.store_port("the trainer's weight transfer")
@@ -435,7 +435,7 @@ def probe_logprobs(trainer: Trainer) -> dict:
         return {
             "token_ids": token_ids,
             "logprobs": compute_probe_logprobs(
-                cast_model(trainer.model, trainer.compute_dtype), token_ids, trainer.head_dtype
+                cast_model(trainer.model, trainer.compute_dtype), token_ids, trainer.policy.head_dtype
             ),
         }
     device = trainer.device
