@@ -12,7 +12,10 @@ sleeping, waking, the trainer's turn) and the memory each process held at its pe
 
 Per run it prints the medians over the steps after the first two (warm-up: CUDA graphs, first updates):
 - `gen_tok_s`: completion tokens of the step's batch over the time the orchestrator spent generating it;
-- `pause_ms`: the time vLLM held in-flight requests for a weight update (pause to resume), per update;
+- `pause_ms`: the time vLLM held in-flight requests for a weight update (pause to resume), per update, as the
+  orchestrator sees it; `engine_paused_ms`: the same as vLLM's server sees it (from /pause's arrival to /resume's
+  reply), the time vLLM did not generate: the pause less the way to the server and /pause's wait in the server's
+  event loop, while vLLM's engine still generated;
 - `update_ms`: the whole update seen by the orchestrator (calibration, pause, load, probe check);
 - `send_gbps`: the trainer's weight send (bytes over `weights/send_s`, which leaves out `accept_wait_s`, the time the
   trainer waited for the orchestrator to take the version); `wire_gbps`: over the sends alone (`weights/wire_s`);
@@ -67,13 +70,17 @@ def rl_config(model: str, out: Path, steps: int, async_level: int, args: argpars
             "batch_size": args.batch_size,
             "group_size": args.group_size,
             "max_async_level": async_level,
-            "micro_batch_tokens": 16384,
+            "micro_batch_tokens": args.micro_batch_tokens,
             "sampling": {"temperature": 1.0, "max_tokens": args.max_tokens},
             "env": {"name": "reverse_text", "args": {"num_tasks": 4000, "min_words": 2, "max_words": 20}},
             "router_replay": args.router_replay,
             "weight_check": {"max_floor": args.max_floor},
         },
-        "trainer": {"optim": {"lr": args.lr, "max_grad_norm": 1.0}, "compile": args.compile},
+        "trainer": {
+            "optim": {"lr": args.lr, "max_grad_norm": 1.0, "state_dtype": args.state_dtype},
+            "compile": args.compile,
+        },
+        "checkpoint": {"interval": 0},  # a measurement: no checkpoint at the last step (12 bytes per parameter)
         "launch": {"health_timeout_s": 900},
     }
 
@@ -172,6 +179,7 @@ def summarize(run: Path, wall: float) -> dict:
         "wall_s": round(wall, 1),
         "gen_tok_s": _median(gen, "rate"),
         "pause_ms": _median(per_update, "timing/weight_pause_s", 1e3),
+        "engine_paused_ms": _median(per_update, "timing/weight_pause/engine_paused_s", 1e3),
         "update_ms": _median(per_update, "timing/weight_update_s", 1e3),
         "send_s": _median(steady, "weights/send_s"),
         "send_gbps": _median(steady, "weights/send_gbps"),
@@ -295,6 +303,18 @@ def main() -> None:
     p.add_argument("--max-floor", type=float, default=1.0, help="orchestrator.weight_check.max_floor")
     p.add_argument("--gpu", type=int, default=0, help="--colocate: the GPU (its index on the node)")
     p.add_argument("--compile", action="store_true", help="trainer.compile (torch.compile each block)")
+    p.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=16384,
+        help="orchestrator.micro_batch_tokens (above a step's ~17.4k tokens: one micro-batch, as trainer_throughput.py)",
+    )
+    p.add_argument(
+        "--state-dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="trainer.optim.state_dtype (AdamW's moments; bfloat16 for the 8-layer 30B-A3B shape on one GPU)",
+    )
     p.add_argument("--port", type=int, default=8000, help="vLLM's port (two runs on one node need two)")
     p.add_argument(
         "--head-dtype", default="float32", choices=("model", "float32"), help="model.head_dtype (the logits' dtype)"

@@ -1,5 +1,7 @@
 """Admin endpoints reject calls without the admin token and accept them with it; inference routes stay open."""
 
+import time
+
 import httpx
 import pytest
 from starlette.applications import Starlette
@@ -60,3 +62,41 @@ def test_admin_replies_say_how_long_the_server_took(client):
     assert timing.handled_s == float(reply.headers[HANDLED_MS_HEADER]) / 1e3
     assert ServerTiming.from_headers(httpx.Headers({HANDLED_MS_HEADER: "x"})) == ServerTiming(None, None)
     assert HANDLED_MS_HEADER not in client.post("/health").headers  # inference routes are left as they are
+
+
+def test_resume_says_how_long_the_engine_was_paused(client):
+    from slipstream.inference.admin_token import PAUSED_MS_HEADER
+    from slipstream.rollout.client import ServerTiming
+
+    assert PAUSED_MS_HEADER not in client.post("/resume", headers=admin_headers("s3cret")).headers  # no pause before
+    client.post("/pause", headers=admin_headers("s3cret"))
+    client.post("/collective_rpc", headers=admin_headers("s3cret"))
+    time.sleep(0.05)
+    reply = client.post("/resume", headers=admin_headers("s3cret"))
+    paused = ServerTiming.from_headers(reply.headers).paused_s
+    # from /pause's arrival to /resume's reply: the sleep between is inside, the headers' 5 s limit is not reached
+    assert paused is not None and 0.05 <= paused < 5
+    assert ServerTiming.from_headers(client.post("/pause", headers=admin_headers("s3cret")).headers).paused_s is None
+    assert PAUSED_MS_HEADER in client.post("/resume", headers=admin_headers("s3cret")).headers
+    assert PAUSED_MS_HEADER not in client.post("/resume", headers=admin_headers("s3cret")).headers  # one per pause
+
+
+def test_a_weight_load_records_the_engines_pause():
+    import asyncio
+
+    from slipstream.inference.admin_token import HANDLED_MS_HEADER, PAUSED_MS_HEADER
+    from slipstream.orchestrator.client import InferenceClient
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        headers = {HANDLED_MS_HEADER: "2.0"}
+        if request.url.path == "/resume":
+            headers[PAUSED_MS_HEADER] = "42.5"
+        return httpx.Response(200, json={"success": True}, headers=headers)
+
+    async def load():
+        async with InferenceClient("http://vllm", "tiny", request_timeout_s=5) as client:
+            client._http = httpx.AsyncClient(base_url="http://vllm", transport=httpx.MockTransport(handle))
+            return await client.load_weights(5, {"path": "/w/step_5"})
+
+    load = asyncio.run(load())
+    assert load.phases["engine_paused"] == 0.0425 and load.phases["pause_server"] == 0.002

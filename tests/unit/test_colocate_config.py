@@ -97,15 +97,17 @@ def test_resolved_config_tells_each_process(monkeypatch, tmp_path):
     monkeypatch.setattr(plan_module, "gpu_memory_bytes", lambda ids: H200)
     cfg = resolve_config(rl(model={"name": str(model)}, deployment={"sleep_level": 2}), [0])
     assert cfg.orchestrator.colocate is not None and cfg.orchestrator.colocate.sleep_level == 2
-    assert cfg.trainer.colocated and cfg.inference.enable_sleep_mode
+    assert cfg.trainer.colocated and cfg.inference.enable_sleep_mode and cfg.trainer.release_cached_memory
     assert cfg.weights.transport == "ipc" and cfg.inference.device == cfg.trainer.device == "cuda"
     assert cfg.inference.gpu_memory_utilization == 0.9  # a 1M-parameter model: vLLM's usual share, no more
     assert resolve_config(cfg, [0]) == cfg  # idempotent
     # level 0: vLLM keeps its memory, so no sleep mode; on CPU never (vLLM's CPU build refuses the flag)
     level0 = resolve_config(rl(model={"name": str(model)}, deployment={"sleep_level": 0}), [0])
     assert level0.trainer.colocated and not level0.inference.enable_sleep_mode
+    assert not level0.trainer.release_cached_memory  # vLLM keeps its share: the trainer keeps its allocator's cache
     cpu = resolve_config(rl(model={"name": str(model)}, deployment={"colocate": True}), [])
     assert cpu.trainer.colocated and cpu.orchestrator.colocate is not None and not cpu.inference.enable_sleep_mode
+    assert not cpu.trainer.release_cached_memory
     side_by_side = resolve_config(rl(model={"name": str(model)}), [0, 1])
     assert side_by_side.orchestrator.colocate is None and not side_by_side.trainer.colocated
 

@@ -69,7 +69,8 @@ def test_example_parses_places_and_renders(path, tmp_path, monkeypatch):
         _, engine = parse_vllm_argv(argv)
         assert engine.tensor_parallel_size * engine.data_parallel_size == max(len(resolved_ids(specs)), 1)
         assert engine.dtype == expected
-        assert engine.enable_sleep_mode == (resolved.trainer.colocated and bool(visible))
+        sleeps = resolved.trainer.colocated and bool(visible) and resolved.deployment.sleep_level >= 1
+        assert engine.enable_sleep_mode == sleeps == resolved.trainer.release_cached_memory
 
 
 def resolved_ids(specs) -> list[str]:

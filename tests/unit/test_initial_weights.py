@@ -66,6 +66,22 @@ def test_a_server_that_took_no_update_since_it_started_keeps_its_weights_and_fre
     assert server.num_prefix_cache_resets == 1  # what another run cached (a LoRA adapter's KV, say) is not reused
 
 
+def test_a_lora_run_leaves_the_base_weights_alone(tmp_path, caplog):
+    """vLLM with --enable-lora takes adapters only: its layers wrap the base weights, which a full load cannot name
+    (GPU vLLM 0.26, which has no /weight_info so every run found its version unknown: 'no parameter named
+    embed_tokens.weight ... embed_tokens.base_layer.weight'). A LoRA run never loads base weights at its start."""
+    server = SimServer(SimConfig(model_name=MODEL))
+    with serve_in_thread(server) as url:
+        _load(url, tmp_path / "earlier_run", 3)  # a version the server cannot vouch for
+        received, resets = list(server.transfer.received), server.num_prefix_cache_resets
+        config = config_for(tmp_path / "run", url, model={"name": MODEL, "path": tmp_path, "lora": {}})
+        with caplog.at_level(logging.INFO, logger="slipstream.orchestrator.weights"):
+            _serve_initial(config)
+    assert server.transfer.received == received  # no full load
+    assert server.num_prefix_cache_resets == resets + 1  # what the earlier run cached is still freed
+    assert "model.lora: inference keeps its base weights" in caplog.text
+
+
 def test_without_the_model_folder_the_run_stops_saying_why(tmp_path):
     server = SimServer(SimConfig(model_name=MODEL))
     with serve_in_thread(server) as url:

@@ -105,8 +105,9 @@ def place_gpu_example(tokens: list[str], tmp_path: Path) -> None:
 
 def place_colocated_example(tokens: list[str], tmp_path: Path) -> None:
     """Loaded and placed on a one-GPU node (an H200, the example's SmolLM2 sized from its parameter count): vLLM and
-    the trainer both on GPU 0, weights through CUDA IPC, vLLM with sleep mode and the share the memory plan gives it;
-    vLLM's own parser reads the command line back."""
+    the trainer both on GPU 0, weights through CUDA IPC, sleep level 0 (no sleep mode; the trainer keeps its cache)
+    and vLLM's share what the memory plan leaves beside the trainer's state and activations; vLLM's own parser reads
+    the command line back."""
     from slipstream.launch import plan as plan_module
     from slipstream.launch.colocate_memory import ModelShape
 
@@ -119,9 +120,11 @@ def place_colocated_example(tokens: list[str], tmp_path: Path) -> None:
         specs = {spec.name: spec for spec in build_plan(resolved, gpus=[0])}
     assert specs["inference"].env["CUDA_VISIBLE_DEVICES"] == specs["trainer"].env["CUDA_VISIBLE_DEVICES"] == "0"
     assert resolved.weights.transport == "ipc" and resolved.trainer.colocated
-    assert resolved.orchestrator.colocate is not None and resolved.inference.gpu_memory_utilization == 0.9
+    assert resolved.orchestrator.colocate is not None and resolved.orchestrator.colocate.sleep_level == 0
+    assert not resolved.trainer.release_cached_memory
+    assert resolved.inference.gpu_memory_utilization == 0.72  # 143.8 GB less the trainer, its activations, a reserve
     _, engine = parse_vllm_argv(build_vllm_argv(resolved.inference, Path("/models/example")))
-    assert engine.enable_sleep_mode and engine.gpu_memory_utilization == 0.9
+    assert not engine.enable_sleep_mode and engine.gpu_memory_utilization == 0.72
 
 
 def run_slurm_quickstart(tokens: list[str], tmp_path: Path) -> None:

@@ -57,7 +57,9 @@ class DeploymentConfig(BaseConfig):
     CUDA context and graphs); 2: weights freed too, nothing copied (each version is loaded whole anyway: faster than
     1 where host memory is slow or short; not with model.lora, whose base weights are never sent again; the run's
     first turn uses level 1 so the weight check can calibrate on the initial weights); 0: nothing is freed, vLLM only
-    stops scheduling (when both fit side by side: no sleep/wake cost)."""
+    stops scheduling (when both fit side by side: no sleep/wake cost, and the trainer keeps its allocator's cache between
+    steps, where levels 1 and 2 make it allocate its activations afresh each step: SmolLM2-135M on an H200 steps 2.2x
+    faster in the trainer and 1.46x in steps/hour at level 0)."""
 
     @model_validator(mode="after")
     def _check_roles(self) -> "DeploymentConfig":

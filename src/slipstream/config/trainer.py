@@ -237,9 +237,13 @@ class TrainerConfig(BaseConfig):
     """Training device; auto picks CUDA when available."""
 
     colocated: bool = False
-    """The trainer shares its GPU with vLLM (deployment.colocate; `slipstream rl` sets it): after each step and after
-    each publish it returns the memory its allocator caches to the GPU, so that vLLM can wake into it, and it logs
-    its peak memory (`memory/peak_allocated_gib`, `memory/peak_reserved_gib`)."""
+    """The trainer shares its GPU with vLLM (deployment.colocate; `slipstream rl` sets it): it logs its peak memory of
+    each step (`memory/peak_allocated_gib`, `memory/peak_reserved_gib`)."""
+
+    release_cached_memory: bool = False
+    """After each step and after each publish, return the memory the allocator caches to the GPU, so that a colocated
+    vLLM can wake into it (`slipstream rl` sets it when colocated with deployment.sleep_level >= 1; at level 0 vLLM
+    keeps its memory and the trainer keeps its cache: each step after a release allocates its activations afresh)."""
 
     compile: bool = False
     """torch.compile each transformer block (after activation checkpointing, before FSDP): Inductor fuses the

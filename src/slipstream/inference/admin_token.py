@@ -11,6 +11,10 @@ HEADER = "X-Slipstream-Admin-Token"  # its own header, so it never collides with
 HANDLED_MS_HEADER = "X-Slipstream-Handled-Ms"
 """Reply header of every admin call (inference/auth.py): milliseconds from the request's arrival at the server to its
 reply, so the orchestrator can tell the server's time on a call (a pause, a load) from the time spent reaching it."""
+PAUSED_MS_HEADER = "X-Slipstream-Paused-Ms"
+"""Reply header of /resume (after a /pause): milliseconds from the /pause request's arrival at the server to this
+reply, the time vLLM's engine held its requests. The way to the server, and the wait of /pause in its event loop,
+are left out: vLLM's engine generates meanwhile (it runs in a process of its own)."""
 LOOP_LAG_MS_HEADER = "X-Slipstream-Loop-Lag-Ms"
 """Reply header of every admin call: the server's event loop, its worst lateness (ms) since the admin call before
 (utils/loop_lag.py); a busy loop delays the admin calls of a weight update as it delays streamed tokens."""

@@ -10,7 +10,14 @@ import time
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from slipstream.inference.admin_token import HANDLED_MS_HEADER, HEADER, LOOP_LAG_MS_HEADER, TOKEN_ENV, admin_headers
+from slipstream.inference.admin_token import (
+    HANDLED_MS_HEADER,
+    HEADER,
+    LOOP_LAG_MS_HEADER,
+    PAUSED_MS_HEADER,
+    TOKEN_ENV,
+    admin_headers,
+)
 from slipstream.utils.loop_lag import LoopLag
 
 __all__ = ["AdminTokenMiddleware", "admin_headers", "is_open_path"]
@@ -34,6 +41,8 @@ class AdminTokenMiddleware:
         self.lag = LoopLag()
         self._sampling: asyncio.Future | None = None
         """The server loop's lateness, sampled from the first request on (the loop runs by then)."""
+        self._paused_at: float | None = None
+        """When the last /pause reached the server (its handler started), until a /resume replies."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._sampling is None:
@@ -44,18 +53,26 @@ class AdminTokenMiddleware:
                 response = JSONResponse({"error": "admin endpoint: missing or wrong admin token"}, status_code=401)
                 await response(scope, receive, send)
                 return
-            await self.app(scope, receive, self._timed(send, time.perf_counter()))
+            start = time.perf_counter()
+            if scope["path"] == "/pause" and self._paused_at is None:
+                self._paused_at = start
+            await self.app(scope, receive, self._timed(send, start, resume=scope["path"] == "/resume"))
             return
         await self.app(scope, receive, send)
 
-    def _timed(self, send: Send, start: float) -> Send:
-        """`send` adding the admin reply's diagnostic headers: the call's milliseconds and the loop's lateness."""
+    def _timed(self, send: Send, start: float, resume: bool = False) -> Send:
+        """`send` adding the admin reply's diagnostic headers: the call's milliseconds and the loop's lateness; on
+        /resume's reply, the time since /pause reached the server (the engine's pause)."""
 
         async def timed_send(message) -> None:
             if message["type"] == "http.response.start":
-                headers = [(HANDLED_MS_HEADER.lower().encode(), f"{(time.perf_counter() - start) * 1e3:.3f}".encode())]
+                now = time.perf_counter()
+                headers = [(HANDLED_MS_HEADER.lower().encode(), f"{(now - start) * 1e3:.3f}".encode())]
                 if (lag := self.lag.take()) is not None:
                     headers.append((LOOP_LAG_MS_HEADER.lower().encode(), f"{lag[0] * 1e3:.3f}".encode()))
+                if resume and self._paused_at is not None:
+                    headers.append((PAUSED_MS_HEADER.lower().encode(), f"{(now - self._paused_at) * 1e3:.3f}".encode()))
+                    self._paused_at = None
                 message = {**message, "headers": [*message.get("headers", []), *headers]}
             await send(message)
 

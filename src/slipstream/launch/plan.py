@@ -181,6 +181,7 @@ def placement_changes(config: RLConfig, placement: Placement) -> dict[str, Any]:
         level = config.deployment.sleep_level
         changes["orchestrator"] = {"colocate": {"sleep_level": level}}
         changes["trainer"]["colocated"] = True
+        changes["trainer"]["release_cached_memory"] = bool(placement.trainer_gpus) and level >= 1
         changes["inference"]["enable_sleep_mode"] = bool(placement.inference_gpus) and level >= 1
     if (placement.inference_gpus or placement.trainer_gpus) and "dtype" not in config.model.model_fields_set:
         changes["model"] = {"dtype": "bfloat16"}

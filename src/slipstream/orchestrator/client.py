@@ -63,7 +63,10 @@ class WeightLoad:
     """Seconds of each admin call of the load (`pause`, `init`, `start`, `transfer`, `finish`, `reset`, `resume`;
     with several engines the slowest engine's), so a slow update says where its time went; `<call>_server`: the part
     the server itself spent on it (the rest is the way there and back, both event loops included);
-    `server_loop_lag`: the server's event loop, its worst lateness since the update before (while it streamed)."""
+    `server_loop_lag`: the server's event loop, its worst lateness since the update before (while it streamed);
+    `engine_paused`: the time vLLM's engine held its requests, from /pause's arrival at the server to /resume's reply
+    (the slowest engine's): `seconds` less the way to the server and the wait of /pause in its event loop, during which
+    vLLM still generates."""
     staged: bool = False
     """A no-stall update (load_weights_staged): `seconds` is the swap alone, the only time vLLM did not generate."""
 
@@ -305,6 +308,8 @@ class InferenceClient(GenerationClient):
             phases["resume"] = time.perf_counter() - resumed
             if errors := [r for r in results if isinstance(r, BaseException)]:
                 raise errors[0]
+            if paused := self._engine_pauses():
+                phases["engine_paused"] = max(paused)
         reset = all(r for r, _ in loads)
         return WeightLoad(seconds=time.perf_counter() - start, prefix_cache_reset=reset, phases=phases)
 
@@ -382,7 +387,15 @@ class InferenceClient(GenerationClient):
             if errors := [r for r in results if isinstance(r, BaseException)]:
                 raise errors[0]
         reset = all(bool((r or {}).get("success", False)) if isinstance(r, dict) else False for r in resets)
-        return WeightLoad(seconds=time.perf_counter() - start, prefix_cache_reset=reset)
+        paused = self._engine_pauses()
+        phases = {"engine_paused": max(paused)} if paused else {}
+        return WeightLoad(seconds=time.perf_counter() - start, prefix_cache_reset=reset, phases=phases)
+
+    def _engine_pauses(self) -> list[float]:
+        """Each engine's pause as its server measured it (/resume's reply header; none from a server without
+        Slipstream's middleware)."""
+        timings = [t for e in self.admin_clients if (t := e.server_timing.pop("/resume", None)) is not None]
+        return [t.paused_s for t in timings if t.paused_s is not None]
 
     async def _load_paused(
         self, version: int, update_info: dict[str, Any], init_info: dict[str, Any] | None

@@ -135,9 +135,14 @@ class WeightRelay:
         a restarted run reuses: the model's own checkpoint is loaded back first, saying so, so that rollouts and the
         weight check's calibration see the initial weights (a server that cannot tell, no /weight_info, too). Then
         the prefix cache is freed: cache salts are per version, not per run, so KV another run cached (of its own
-        versions or LoRA adapters) would be reused."""
+        versions or LoRA adapters) would be reused. With model.lora the base weights are left alone: vLLM with LoRA
+        takes only adapters (its layers wrap the base weights, which a full load cannot name), so no run changed them,
+        and this run's adapter is loaded by name at its first version."""
         versions = await self.client.weight_versions()
-        if stale := {url: version for url, version in versions.items() if version != INITIAL_WEIGHT_VERSION}:
+        stale = {url: version for url, version in versions.items() if version != INITIAL_WEIGHT_VERSION}
+        if stale and self.config.model.lora is not None:
+            log.info(f"model.lora: inference keeps its base weights, which LoRA runs never change ({stale})")
+        elif stale:
             folder = self._initial_weights_dir()
             served = ", ".join(
                 f"{url}: {'unknown' if v is None else f'weight version {v!r}'}" for url, v in stale.items()

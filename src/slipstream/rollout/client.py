@@ -21,7 +21,7 @@ from typing import Any, Self
 import httpx
 
 from slipstream.config.inference_deployment import SESSION_HEADER
-from slipstream.inference.admin_token import HANDLED_MS_HEADER, LOOP_LAG_MS_HEADER, admin_headers
+from slipstream.inference.admin_token import HANDLED_MS_HEADER, LOOP_LAG_MS_HEADER, PAUSED_MS_HEADER, admin_headers
 from slipstream.inference.instance import INSTANCE_HEADER
 
 
@@ -64,6 +64,8 @@ class ServerTiming:
 
     handled_s: float | None
     loop_lag_s: float | None
+    paused_s: float | None = None
+    """/resume's reply: the engine's pause, from the /pause request's arrival at the server to this reply."""
 
     @classmethod
     def from_headers(cls, headers: httpx.Headers) -> "ServerTiming":
@@ -73,7 +75,7 @@ class ServerTiming:
             except (KeyError, ValueError):
                 return None
 
-        return cls(seconds(HANDLED_MS_HEADER), seconds(LOOP_LAG_MS_HEADER))
+        return cls(seconds(HANDLED_MS_HEADER), seconds(LOOP_LAG_MS_HEADER), seconds(PAUSED_MS_HEADER))
 
 
 class GenerationClient:

@@ -58,9 +58,9 @@ def run_trainer(config: TrainerConfig) -> None:
             )
             t_train = time.perf_counter()
             metrics["nonfinite/total"] = nonfinite.update(step, bool(metrics["nonfinite/skipped"]))
-            metrics |= release_cached_memory(trainer, config)  # a colocated vLLM wakes into it once we publish
+            metrics |= step_memory(trainer, config)  # a sleeping colocated vLLM wakes into it once we publish
             metrics |= publisher.publish(step)
-            release_cached_memory(trainer, config)
+            step_memory(trainer, config)
             t_publish = time.perf_counter()
             if writer is not None:
                 metrics |= {
@@ -83,9 +83,9 @@ def run_trainer(config: TrainerConfig) -> None:
         teardown_trainer(trainer)
 
 
-def release_cached_memory(trainer: Trainer, config: TrainerConfig) -> dict[str, float]:
-    """Colocated on a GPU: the step's peak memory (reset for the next), and the allocator's cached blocks returned to
-    the GPU for vLLM. Elsewhere: nothing."""
+def step_memory(trainer: Trainer, config: TrainerConfig) -> dict[str, float]:
+    """Colocated on a GPU: the step's peak memory (reset for the next), and, where vLLM sleeps
+    (config.release_cached_memory), the allocator's cached blocks returned to the GPU for vLLM. Elsewhere: nothing."""
     if not config.colocated or trainer.device.type != "cuda":
         return {}
     import torch
@@ -94,7 +94,8 @@ def release_cached_memory(trainer: Trainer, config: TrainerConfig) -> dict[str, 
         "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(trainer.device) / 2**30,
         "memory/peak_reserved_gib": torch.cuda.max_memory_reserved(trainer.device) / 2**30,
     }
-    torch.cuda.empty_cache()
+    if config.release_cached_memory:
+        torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(trainer.device)
     return peak
 
