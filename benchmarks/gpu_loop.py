@@ -19,6 +19,8 @@ Per run it prints the medians over the steps after the first two (warm-up: CUDA 
 - `update_ms`: the whole update seen by the orchestrator (calibration, pause, load, probe check);
 - `send_gbps`: the trainer's weight send (bytes over `weights/send_s`, which leaves out `accept_wait_s`, the time the
   trainer waited for the orchestrator to take the version); `wire_gbps`: over the sends alone (`weights/wire_s`);
+- with `--no-stall` the pause is the swap alone (`pause_phases_ms`' `swap`), and `stage` the transfer vLLM generated
+  through;
 - `pause_phases_ms`: where the pause went, per vLLM admin call (`timing/weight_pause/<call>_s`; `<call>_server`: the
   server's own part of it);
 - `loop_lag_max_ms`: the orchestrator's event loop, its worst lateness in a step (utils/loop_lag.py);
@@ -81,6 +83,7 @@ def rl_config(model: str, out: Path, steps: int, async_level: int, args: argpars
             "compile": args.compile,
         },
         "checkpoint": {"interval": 0},  # a measurement: no checkpoint at the last step (12 bytes per parameter)
+        **({"weights": {"transport": "nccl", "no_stall": True}} if args.no_stall else {}),
         "launch": {"health_timeout_s": 900},
     }
 
@@ -303,6 +306,11 @@ def main() -> None:
     p.add_argument("--max-floor", type=float, default=1.0, help="orchestrator.weight_check.max_floor")
     p.add_argument("--gpu", type=int, default=0, help="--colocate: the GPU (its index on the node)")
     p.add_argument("--compile", action="store_true", help="trainer.compile (torch.compile each block)")
+    p.add_argument(
+        "--no-stall",
+        action="store_true",
+        help="weights.no_stall over nccl: versions staged while vLLM generates, swapped in between two engine steps",
+    )
     p.add_argument(
         "--micro-batch-tokens",
         type=int,

@@ -75,9 +75,10 @@ class WeightsConfig(BaseConfig):
     Memory: one more copy of the published weights (in the published dtype) per inference worker, on its device, kept
     from one version to the next; none more with `weights.delta`, whose copy of the version before is the staging
     memory. A worker that cannot allocate it fails the update with an error that says so (the run stops; nothing was
-    loaded): lower vLLM's memory share or set `weights.no_stall = false`. Needs `weights.transport = "gloo"` (the CPU
-    twin; NCCL on a side CUDA stream is the GPU half, not built yet); not with `model.lora` (adapters load from files)
-    nor against the simulated inference server. Tokens are stamped with the new version from the swap's end
+    loaded): lower vLLM's memory share or set `weights.no_stall = false`. Needs `weights.transport = "nccl"` (GPUs:
+    each worker queues its receives on a CUDA stream of its own, so generation never waits for them; not yet run on a
+    GPU) or `"gloo"` (CPUs, where it is tested end to end); not with `model.lora` (adapters load from files) nor
+    against the simulated inference server. Tokens are stamped with the new version from the swap's end
     (rollout/streaming.py says what that approximates)."""
 
     track_changes: bool = False
@@ -98,11 +99,11 @@ class WeightsConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _check_no_stall(self) -> "WeightsConfig":
-        if self.no_stall and self.transport != "gloo":
+        if self.no_stall and self.transport not in ("gloo", "nccl"):
             raise ValueError(
-                f"weights.no_stall stages each version from a broadcast, so far over gloo only (weights.transport is "
-                f'"{self.transport}"; NCCL on a side CUDA stream is the GPU half of issue #40, and files and shared '
-                'memory are read by the paused load): set weights.transport = "gloo", or weights.no_stall = false'
+                f'weights.no_stall stages each version from a broadcast (weights.transport is "{self.transport}"; '
+                'files and shared memory are read by the paused load): set weights.transport = "nccl" (GPUs) or '
+                '"gloo" (CPUs), or weights.no_stall = false'
             )
         return self
 

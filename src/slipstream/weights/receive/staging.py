@@ -10,13 +10,19 @@ Staging memory: a plain broadcast lands in a buffer per bucket (one copy of the 
 version to the next while the bucket plan stays); a delta broadcast needs none more, since the receiver's mirror of
 the version before (weights/receive/delta_receive.py) is applied in place and its views are what the swap loads. The
 memory is allocated by `start`, before anything is received, so a worker that cannot hold it fails the update at once
-with an error that says so. CPU (gloo) only so far: on CUDA the receives would need a side stream of their own and
-an event the swap waits on (the GPU half of issue #40).
+with an error that says so.
+
+On CUDA (NCCL) the thread queues its receives from a CUDA stream of its own: the broadcasts' waits land on that
+stream, never on the stream vLLM's forward passes run on, so generation does not queue behind a transfer (it shares
+the GPU with NCCL's kernels meanwhile). The thread returns once the device has finished them (the receiver
+synchronizes the device from this thread, which blocks no other), so the swap reads complete buffers. Built and
+tested on CPU workers (gloo); the CUDA path has not yet run on a GPU.
 """
 
 import logging
 import threading
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +60,7 @@ class Stager:
         self._staged: StagedVersion | None = None
         self._error: BaseException | None = None
         self._step: int | None = None
+        self._stream: torch.cuda.Stream | None = None
 
     @property
     def active(self) -> bool:
@@ -62,8 +69,8 @@ class Stager:
 
     def start(self, update_info: dict) -> None:
         """Start receiving `update_info`'s broadcast (`{"step": N, "manifest": {...}}`) in the background; returns at
-        once. Raises StagingFailed when a version is staged already, the update is no broadcast, the worker is on
-        CUDA, or the staging memory cannot be allocated."""
+        once. Raises StagingFailed when a version is staged already, the update is no broadcast, or the staging memory
+        cannot be allocated."""
         if self._thread is not None:
             raise StagingFailed(f"{STAGING_FAILED}: version {self._step} is still staged; finish_weight_update first")
         step = update_info.get("step")
@@ -71,11 +78,6 @@ class Stager:
             raise StagingFailed(
                 f"{STAGING_FAILED}: version {step} is not a broadcast (update_info keys {sorted(update_info)}); only "
                 "broadcasts are staged: load folders and shared memory paused"
-            )
-        if self.receiver.device.type == "cuda":
-            raise StagingFailed(
-                f"{STAGING_FAILED}: version {step}: staging runs on CPU workers (gloo) so far; on CUDA the receives "
-                "need a side stream (the GPU half of issue #40): set weights.no_stall = false"
             )
         if self.receiver.group is None:
             raise StagingFailed(
@@ -102,10 +104,20 @@ class Stager:
     def _run(self, update_info: dict) -> None:
         buckets: list[list[tuple[str, torch.Tensor]]] = []
         try:
-            stats = self.receiver.receive(update_info, buckets.append, buffers=self.buffers)
+            with self._receive_stream():
+                stats = self.receiver.receive(update_info, buckets.append, buffers=self.buffers)
             self._staged = StagedVersion(buckets, stats, Manifest.from_dict(update_info["manifest"]))
         except BaseException as e:  # noqa: BLE001 - kept and raised by take(), on the caller's thread
             self._error = e
+
+    def _receive_stream(self) -> AbstractContextManager:
+        """On CUDA: this thread's receives queued on a stream of their own (kept from one version to the next)."""
+        device = self.receiver.device
+        if device.type != "cuda":
+            return nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return torch.cuda.stream(self._stream)
 
     def take(self) -> StagedVersion:
         """Wait for the staging thread and return the staged version; StagingFailed with the thread's error."""
