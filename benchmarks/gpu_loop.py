@@ -21,6 +21,10 @@ Per run it prints the medians over the steps after the first two (warm-up: CUDA 
   trainer waited for the orchestrator to take the version); `wire_gbps`: over the sends alone (`weights/wire_s`);
 - with `--no-stall` the pause is the swap alone (`pause_phases_ms`' `swap`), and `stage` the transfer vLLM generated
   through;
+- with `--delta` each version after the first goes as the elements that changed (weights.delta over NCCL):
+  `delta_ratio` per version (bytes on the wire over a full send's), `changed_fraction`, and the buckets a receiver's
+  checksum sent back for a full resend (`delta_resent_buckets`; every bucket loaded is checked against the checksum of
+  the full new bytes);
 - `pause_phases_ms`: where the pause went, per vLLM admin call (`timing/weight_pause/<call>_s`; `<call>_server`: the
   server's own part of it);
 - `loop_lag_max_ms`: the orchestrator's event loop, its worst lateness in a step (utils/loop_lag.py);
@@ -65,7 +69,7 @@ def rl_config(model: str, out: Path, steps: int, async_level: int, args: argpars
         "deployment": (
             {"gpus": [args.gpu], "colocate": True, "sleep_level": args.sleep_level}
             if args.colocate
-            else {"gpus": [0, 1]}
+            else {"gpus": args.gpus}
         ),
         "inference": inference,
         "orchestrator": {
@@ -83,9 +87,19 @@ def rl_config(model: str, out: Path, steps: int, async_level: int, args: argpars
             "compile": args.compile,
         },
         "checkpoint": {"interval": 0},  # a measurement: no checkpoint at the last step (12 bytes per parameter)
-        **({"weights": {"transport": "nccl", "no_stall": True}} if args.no_stall else {}),
+        **weights_config(args),
         "launch": {"health_timeout_s": 900},
     }
+
+
+def weights_config(args: argparse.Namespace) -> dict:
+    """`[weights]` for --no-stall and --delta (both over nccl); {} for the default transport."""
+    weights: dict = {}
+    if args.no_stall:
+        weights["no_stall"] = True
+    if args.delta:
+        weights["delta"] = {"enabled": True}
+    return {"weights": {"transport": "nccl"} | weights} if weights else {}
 
 
 def run_loop(model: str, out: Path, steps: int, async_level: int, args: argparse.Namespace) -> dict:
@@ -191,6 +205,9 @@ def summarize(run: Path, wall: float) -> dict:
         "pause_phases_ms": {k.split("/")[-1][:-2]: _median(per_update, k, 1e3) for k in phases},
         "loop_lag_max_ms": _median(steady, "orchestrator/loop_lag_max_ms"),
         "weight_bytes": steady[-1].get("weights/bytes"),
+        "delta_ratio": [m.get("weights/delta_ratio") for m in metrics if "weights/delta_ratio" in m],
+        "changed_fraction": [m.get("weights/changed_fraction") for m in metrics if "weights/changed_fraction" in m],
+        "delta_resent_buckets": sum(m.get("weights/delta_resent_buckets", 0) for m in metrics),
         "train_tok_s": _median(steady, "tokens_per_s"),
         "steps_per_hour": 3600.0 / statistics.median(intervals),
         "mismatch_kl_step1": metrics[0].get("mismatch_kl"),
@@ -305,11 +322,23 @@ def main() -> None:
     p.add_argument("--sleep-level", type=int, default=1, choices=(0, 1, 2), help="deployment.sleep_level")
     p.add_argument("--max-floor", type=float, default=1.0, help="orchestrator.weight_check.max_floor")
     p.add_argument("--gpu", type=int, default=0, help="--colocate: the GPU (its index on the node)")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        nargs=2,
+        default=[0, 1],
+        help="vLLM's GPU and the trainer's (two runs on one node need four)",
+    )
     p.add_argument("--compile", action="store_true", help="trainer.compile (torch.compile each block)")
     p.add_argument(
         "--no-stall",
         action="store_true",
         help="weights.no_stall over nccl: versions staged while vLLM generates, swapped in between two engine steps",
+    )
+    p.add_argument(
+        "--delta",
+        action="store_true",
+        help="weights.delta over nccl: each version sent as the elements that changed (or whole, when smaller)",
     )
     p.add_argument(
         "--micro-batch-tokens",

@@ -1,7 +1,8 @@
 """`slipstream rl` with vLLM's GPU build on 2 GPUs (vLLM on GPU 0, the trainer on GPU 1, weights over NCCL): tiny
 dense and MoE models train 3 steps with every calibrated weight check passing, broken loads (a layer dropped, two
 layers swapped) stop the run, router replay takes the experts vLLM routed to, a multi-turn tool environment runs, vLLM
-killed in the middle of an NCCL transfer is restarted and the version sent again, and LoRA adapters load into vLLM.
+killed in the middle of an NCCL transfer (of a full or a delta version) is restarted and the version sent again, delta
+updates over NCCL load exactly and repair a damaged delta, and LoRA adapters load into vLLM.
 
 Not run in CI (marked gpu; needs vLLM's GPU build: docs/gpu.md). `SLIPSTREAM_GPU_MODELS` (a
 comma-separated list of model folders, e.g. SmolLM2-135M-Instruct imported from its GGUF, or a random-weight model of
@@ -162,14 +163,18 @@ def test_a_multi_turn_tool_environment_trains(tiny_model_factory, tmp_path):
     assert checks and all(c["passed"] for c in checks), checks
 
 
-def test_vllm_killed_mid_transfer_is_restarted_and_the_version_sent_again(qwen3_06b_shape, tmp_path):
+@pytest.mark.parametrize("delta", [False, True], ids=["full", "delta"])
+def test_vllm_killed_mid_transfer_is_restarted_and_the_version_sent_again(delta, qwen3_06b_shape, tmp_path):
     """NCCL does not notice a receiver that died inside a node: the trainer's pending broadcasts would wait for it until
     the group's timeout. The orchestrator restarts vLLM and accepts the version for the new session; the trainer sees
-    that, aborts the old group and sends the version again (weights/send/send_watch.py). Each version reaches vLLM's
+    that, aborts the old group and sends the version again (weights/send/send_watch.py; with `weights.delta` the
+    sender waits through the same watch wherever it must: weights/send/delta_send.py). Each version reaches vLLM's
     engine 3 s late (sabotage `slow`), so the test can catch a transfer in flight."""
     out = tmp_path / "run"
     config = _config(qwen3_06b_shape, out, KILL_STEPS)
     config["trainer"]["optim"]["lr"] = 3e-6
+    if delta:
+        config["weights"] |= {"transport": "nccl", "delta": {"enabled": True}}
     config["launch"] |= {"inference_restarts": 2, "inference_restart_backoff_s": 0.5}
     config["orchestrator"]["recovery"] = {"timeout_s": 600, "backoff_max_s": 2}
     config["inference"]["extra_args"] = ["--worker-extension-cls", "tests.e2e.sabotage_ext.FrozenWeightLoader"]
@@ -194,7 +199,35 @@ def test_vllm_killed_mid_transfer_is_restarted_and_the_version_sent_again(qwen3_
     checks = [c for c in _read(out / "weight_checks.jsonl") if c["kind"] == "update"]
     assert all(c["passed"] for c in checks) and checks[-1]["step"] == KILL_STEPS, checks
     assert [c["step"] for c in checks if c["after_restart"]] == [frozen], checks
+    if delta:  # the redone version goes whole to the new server (a new session); later ones as deltas
+        sent = {m["step"]: m for m in metrics}
+        assert sent[frozen]["weights/delta_full_version"] == 1.0, sent[frozen]
+        print(f"delta ratios: { {s: round(m['weights/delta_ratio'], 4) for s, m in sent.items()} }")
     print(f"vLLM killed mid-transfer of step {frozen}: run finished {time.monotonic() - killed:.0f}s after the kill")
+
+
+def test_delta_updates_over_nccl_load_exactly_and_repair_a_damaged_delta(tiny_model_factory, tmp_path):
+    """tests/e2e/test_weight_delta.py on GPUs: versions 2 and 3 go as changed elements over NCCL (1 is the first,
+    4 the every-third full one), each verified by the probe; one delta damaged inside vLLM's worker is caught by its
+    checksum, never loaded, and sent again whole in the same update."""
+    out = tmp_path / "run"
+    config = _config(tiny_model_factory("qwen3"), out, 4)
+    config["weights"] |= {"transport": "nccl", "bucket_mb": 1, "delta": {"enabled": True, "full_every": 3}}
+    config["trainer"]["optim"]["lr"] = 1e-10  # few elements move (tests/e2e/test_weight_delta.py says why)
+    config["inference"]["extra_args"] = ["--worker-extension-cls", "tests.e2e.delta_corrupt_ext.DamagedDelta"]
+    proc = _run(config, tmp_path)
+    assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n{_logs(out)}"
+    metrics = {m["step"]: m for m in _read(out / "metrics.jsonl") if "weights/delta_bytes_sent" in m}
+    assert sorted(metrics) == [1, 2, 3, 4]
+    assert [metrics[s]["weights/delta_full_version"] for s in (1, 2, 3, 4)] == [1.0, 0.0, 0.0, 1.0]
+    for step in (2, 3):
+        assert metrics[step]["weights/delta_sparse_buckets"] >= 1
+        print(f"delta step {step}: {metrics[step]['weights/delta_ratio']:.4f} of the full bytes")
+    assert sum(m["weights/delta_resent_buckets"] for m in metrics.values()) == 1  # the damaged delta, whole again
+    checks = [c for c in _read(out / "weight_checks.jsonl") if c["kind"] == "update"]
+    assert [c["step"] for c in checks][-1] == 4 and all(c["passed"] for c in checks), checks
+    logs = "".join(path.read_text(errors="replace") for path in (out / "logs").glob("*.log"))
+    assert "'repaired': 1" in logs
 
 
 def test_lora_adapters_load_into_vllm_on_gpu(tiny_model_factory, tmp_path):

@@ -4,6 +4,7 @@ version sent, a corrupted delta or a stale mirror is repaired whole within the s
 out first, every `full_every` versions, and at a new session."""
 
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 
 from slipstream.weights.receive.receiver import ReceiveStats, WeightReceiver
 from slipstream.weights.send import delta_send
-from slipstream.weights.send.delta_send import DeltaSender
+from slipstream.weights.send.delta_send import IN_FLIGHT, DeltaSender
+from slipstream.weights.send.send_watch import SessionSuperseded
 from slipstream.weights.wire.collective import GroupInit, close_group, open_group, open_store
 from slipstream.weights.wire.delta import SPARSE, Encoded
 from slipstream.weights.wire.stream import Bucket, Manifest, TensorMeta
@@ -64,8 +66,11 @@ class Session:
             t.join()
         self.name, self.receivers = name, receivers
 
-    def send(self, sender: DeltaSender, step: int, model: dict) -> tuple[dict, list[dict], list[ReceiveStats]]:
-        """Version `step` = `model`: (sender metrics, what each receiver loaded, each receiver's stats)."""
+    def send(
+        self, sender: DeltaSender, step: int, model: dict, waiter=None, reuse: bool = False
+    ) -> tuple[dict, list[dict], list[ReceiveStats]]:
+        """Version `step` = `model`: (sender metrics, what each receiver loaded, each receiver's stats). `reuse`: every
+        bucket passes through one buffer, overwritten as soon as `send` returns (as the gather reuses its buffers)."""
         manifest = Manifest(step, PLAN, delta=True)
         got: list[dict] = [{} for _ in self.receivers]
         stats: list[ReceiveStats | BaseException | None] = [None] * len(self.receivers)
@@ -82,9 +87,15 @@ class Session:
         threads = [threading.Thread(target=receive, args=(k,)) for k in range(len(self.receivers))]
         for t in threads:
             t.start()
-        sender.begin(step, PLAN, self.group, self.name)
+        sender.begin(step, PLAN, self.group, self.name, waiter)
+        buffer = torch.empty(max(b.nbytes for b in PLAN), dtype=torch.uint8)
         for i, bucket in enumerate(PLAN):
-            sender.send(i, bucket, _flat(model, bucket))
+            flat = _flat(model, bucket)
+            if reuse:
+                flat = buffer[: flat.numel()].copy_(flat)
+            sender.send(i, bucket, flat)
+            if reuse:
+                buffer.fill_(0xFF)  # the next gather writes into it
         sender.close()
         for t in threads:
             t.join(timeout=60)
@@ -238,8 +249,10 @@ def _alone() -> "torch.distributed.ProcessGroup":
     return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
 
 
-def _send_all(sender: DeltaSender, step: int, model: dict, group, session: str, plan=PLAN, close=True) -> dict:
-    sender.begin(step, plan, group, session)
+def _send_all(
+    sender: DeltaSender, step: int, model: dict, group, session: str, plan=PLAN, close=True, waiter=None
+) -> dict:
+    sender.begin(step, plan, group, session, waiter)
     for i, bucket in enumerate(plan):
         sender.send(i, bucket, _flat(model, bucket))
     if close:
@@ -269,3 +282,55 @@ def test_an_attempt_that_never_completed_or_a_new_plan_makes_the_next_version_wh
     assert sender.previous == {} and sender.take() == {}
     with pytest.raises(ValueError, match="full_every must be >= 1"):
         DeltaSender(full_every=0, device=torch.device("cpu"))
+
+
+def _polling(calls: list) -> Callable:
+    """A waiter (send_watch.SendWatch's role) that polls until the work is done, counting its calls."""
+
+    def wait(done: Callable[[], bool]) -> None:
+        calls.append(1)
+        while not done():
+            time.sleep(0.001)
+
+    return wait
+
+
+@pytest.mark.timeout(120)
+def test_queued_sends_from_a_reused_buffer_arrive_bitwise_and_wait_through_the_waiter(transfer):
+    """What a CUDA sender does (broadcasts queued; it waits only beyond IN_FLIGHT buckets and for the repair round's
+    flags, through the waiter), over gloo, whose works run on the group's own thread: the bytes that go out are the
+    sender's kept copy, never the caller's buffer, which the next bucket overwrites before the broadcast ran."""
+    session = transfer("s1")
+    sender = DeltaSender(full_every=10, device=torch.device("cpu"))
+    sender.queue_sends = True
+    model = _model()
+    for step in range(1, 4):
+        if step > 1:
+            model = _step(model, seed=step)
+        calls: list = []
+        metrics, got, stats = session.send(sender, step, model, waiter=_polling(calls), reuse=True)
+        _assert_loaded(got, model)
+        assert metrics["weights/delta_resent_buckets"] == 0 and all(s.delta.repaired == 0 for s in stats)
+        assert metrics["weights/delta_full_version"] == float(step == 1)
+        # every work is waited for through the waiter: each bucket's header and payload (a sparse bucket with no
+        # change has none), and the flags
+        assert len(PLAN) + 1 <= len(calls) <= 2 * len(PLAN) + 1
+        if step == 1:
+            assert len(calls) == 2 * len(PLAN) + 1 and IN_FLIGHT < len(PLAN)
+
+
+def test_a_waiter_that_finds_the_receivers_lost_fails_the_attempt_and_the_next_goes_whole():
+    group = _alone()
+    sender = DeltaSender(full_every=10, device=torch.device("cpu"))
+    sender.queue_sends = True
+    v1 = _model()
+    v2 = _step(v1, seed=2)
+    assert _send_all(sender, 1, v1, group, "s", waiter=_polling([]))["weights/delta_full_version"] == 1.0
+
+    def lost(done: Callable[[], bool]) -> BaseException:
+        return SessionSuperseded("inference took the weights of step 2 in session t")
+
+    with pytest.raises(SessionSuperseded):
+        _send_all(sender, 2, v2, group, "s", waiter=lost)  # at the first wait: the bucket beyond IN_FLIGHT
+    assert sender.previous == {} and sender.take() == {}
+    assert _send_all(sender, 2, v2, group, "s", waiter=_polling([]))["weights/delta_full_version"] == 1.0

@@ -17,11 +17,11 @@ class DeltaConfig(BaseConfig):
 
     Costs one copy of the published weights on trainer rank 0's device and one on every inference worker's (the
     version before), a comparison of every bucket on rank 0 and a checksum of every bucket on both sides. Rank 0 sends
-    every bucket after gathering it (delta updates do not use every rank sending its own rows). Runs on the `gloo`
-    transport so far (the GPU half, NCCL, is not served yet); not with `model.lora` (adapters go through files)."""
+    every bucket after gathering it (delta updates do not use every rank sending its own rows). Runs on the broadcast
+    transports (`nccl` on GPUs, `gloo` on CPUs); not with `model.lora` (adapters go through files)."""
 
     enabled: bool = False
-    """Send versions as deltas (needs weights.transport = "gloo")."""
+    """Send versions as deltas (needs weights.transport = "nccl" or "gloo")."""
 
     full_every: int = Field(10, ge=1)
     """Every this many versions one goes whole, whatever changed (1: every version). A version also goes whole when
@@ -119,11 +119,11 @@ class WeightsConfig(BaseConfig):
     def _check_delta(self) -> "WeightsConfig":
         if not self.delta.enabled:
             return self
-        if self.transport != "gloo":
+        if self.transport not in ("nccl", "gloo"):
             raise ValueError(
-                f"weights.delta.enabled sends changed elements by broadcast, so far over gloo only (weights.transport "
-                f'is "{self.transport}"; NCCL is the GPU half of issue #40, and files and shared memory carry whole '
-                'versions): set weights.transport = "gloo", or weights.delta.enabled = false'
+                f"weights.delta.enabled sends changed elements by broadcast (weights.transport is "
+                f'"{self.transport}", which carries whole versions): set weights.transport = "nccl" (GPUs) or "gloo" '
+                "(CPUs), or weights.delta.enabled = false"
             )
         if self.track_changes:
             raise ValueError(

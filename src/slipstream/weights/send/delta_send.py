@@ -8,16 +8,31 @@ not send every bucket, and every `weights.delta.full_every`-th version. A receiv
 checksum) flags it in the repair round and gets it whole; the version is loaded bit-identical either way.
 
 Memory: one copy of the published weights on rank 0's device (the bytes of the version last sent), made at the first
-version, plus each sparse bucket's payload while it is sent. Host syncs: one per bucket (its number of changed
-elements sizes the payload) and the repair round's flags: on CUDA that would stall the pipelined send and, unlike
-send/send_watch.py, hang on a dead receiver (NCCL is not served yet: issue #40's GPU half).
+version, plus the payloads of the sparse buckets in flight (at most `IN_FLIGHT` buckets' worth).
+
+Host syncs: encoding a bucket reads its number of changed elements and its checksum on the host, and the repair round
+reads the receivers' flags. On CUDA (NCCL) the broadcasts are only queued on NCCL's stream, and nothing the encoder
+runs waits for them, so those syncs never wait for a receiver, except where this sender must: when more than
+`IN_FLIGHT` buckets are in flight, and for the repair round's flags. There it waits through the caller's `waiter`
+(weights/send/send_watch.py), which aborts the group when the orchestrator takes the version in another session (its
+receiver died) instead of hanging on it. A full bucket goes from the sender's kept copy of its bytes (which nothing
+writes until every send of the version completed), not from the gather's buffer, which the next bucket reuses. On CPU
+(gloo) every broadcast completes before the next bucket is encoded.
 """
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from slipstream.weights.wire.delta import HEADER_WORDS, encode
-from slipstream.weights.wire.stream import Bucket, broadcast, element_size
+from slipstream.weights.wire.delta import FULL, HEADER_WORDS, encode
+from slipstream.weights.wire.stream import Bucket, element_size, start_broadcast
+
+IN_FLIGHT = 2
+"""CUDA: buckets whose broadcasts may be queued at once before the sender waits for the oldest."""
+
+Waiter = Callable[[Callable[[], bool]], BaseException | None]
+"""Waits until the given poll is true; returns an error (after aborting the group) if the receivers are lost."""
 
 
 class DeltaSender:
@@ -30,6 +45,8 @@ class DeltaSender:
         if full_every < 1:
             raise ValueError(f"weights.delta.full_every must be >= 1, got {full_every}")
         self.full_every, self.device = full_every, device
+        self.queue_sends = device.type == "cuda"
+        """Queue the broadcasts and wait only where needed (CUDA: NCCL's stream); False: wait for each (gloo)."""
         self.previous: dict[int, torch.Tensor] = {}
         """Bucket index -> its bytes in the version last sent whole to `session` (every bucket or none)."""
         self.plan: tuple[Bucket, ...] | None = None
@@ -44,13 +61,24 @@ class DeltaSender:
         """The attempt begun last sent every bucket and its repair round (True before the first: nothing to forget)."""
         self._taken = True
 
-    def begin(self, step: int, plan: tuple[Bucket, ...], group: "dist.ProcessGroup", session: str) -> None:
-        """Start an attempt to send version `step` with `plan` to the receivers of `session` on `group`."""
+    def begin(
+        self,
+        step: int,
+        plan: tuple[Bucket, ...],
+        group: "dist.ProcessGroup",
+        session: str,
+        waiter: Waiter | None = None,
+    ) -> None:
+        """Start an attempt to send version `step` with `plan` to the receivers of `session` on `group`. `waiter`: how
+        a CUDA sender waits for its broadcasts (see the module docstring; None: plainly)."""
         if plan != self.plan or session != self.session or not self._done:
             self.previous = {}  # a new receiving side, or the attempt before never completed its repair round
         self.plan, self.session, self.group = plan, session, group
         self.full = not self.previous or self.since_full + 1 >= self.full_every
         self._sent, self._done = set(), False
+        self._waiter = waiter
+        self._inflight: list[list[tuple[object, torch.Tensor]]] = []
+        """CUDA: per bucket in flight, its broadcasts' works and the tensors they read (kept alive until done)."""
         self._changed = self._compared = 0
         self.metrics = {
             "weights/delta_bytes_sent": 0.0,
@@ -68,16 +96,19 @@ class DeltaSender:
         old = self.previous.get(index)
         try:
             encoded = encode(flat, old, size, full=self.full)
-            broadcast(self.group, encoded.header.to_tensor(self.device))
-            if encoded.payload.numel():
-                broadcast(self.group, encoded.payload.to(self.device))
+            if old is None:
+                kept = self.previous[index] = flat.clone()
+            else:
+                kept = old.copy_(flat)
+            payload = kept if encoded.header.mode == FULL else encoded.payload
+            sends = [encoded.header.to_tensor(self.device)]
+            if payload.numel():
+                sends.append(payload.to(self.device))
+            self._start(sends)
+            self._drain(IN_FLIGHT)
         except BaseException:
             self.previous = {}  # some receivers may hold this bucket's new bytes, others not
             raise
-        if old is None:
-            self.previous[index] = flat.clone()
-        else:
-            old.copy_(flat)
         self._sent.add(index)
         m = self.metrics
         m["weights/delta_bytes_sent"] += HEADER_WORDS * 8 + encoded.payload.numel()
@@ -86,6 +117,31 @@ class DeltaSender:
             self._changed += encoded.changed
             self._compared += flat.numel() // size
 
+    def _start(self, tensors: list[torch.Tensor]) -> None:
+        """Broadcast `tensors` in order: queued as one bucket in flight (`queue_sends`), else waiting for each."""
+        assert self.group is not None
+        works = [(start_broadcast(self.group, t), t) for t in tensors]
+        if self.queue_sends:
+            self._inflight.append(works)
+        else:
+            for work, _ in works:
+                work.wait()
+
+    def _drain(self, keep: int) -> None:
+        """Wait until at most `keep` buckets' broadcasts are in flight."""
+        while len(self._inflight) > keep:
+            for work, _ in self._inflight.pop(0):
+                self._wait(work)
+
+    def _wait(self, work) -> None:
+        """Wait for one collective's work: through the waiter when sends are queued (it aborts on lost receivers),
+        then plainly (on CUDA: the current stream waits for it)."""
+        if self.queue_sends and self._waiter is not None:
+            error = self._waiter(work.is_completed)
+            if error is not None:
+                raise error
+        work.wait()
+
     def close(self) -> None:
         """The repair round: every bucket a receiver flagged goes again, whole."""
         assert self.plan is not None and self.group is not None
@@ -93,11 +149,14 @@ class DeltaSender:
             if len(self._sent) != len(self.plan):
                 raise RuntimeError(f"delta send: {len(self._sent)} of {len(self.plan)} buckets were sent")
             flags = torch.zeros(len(self.plan), dtype=torch.int32, device=self.device)
-            self.group.allreduce([flags]).wait()  # SUM: per bucket, the receivers that need it whole
+            self._wait(self.group.allreduce([flags]))  # SUM: per bucket, the receivers that need it whole
+            self._drain(0)
             for index in flags.nonzero().view(-1).tolist():
-                broadcast(self.group, self.previous[index].to(self.device))
+                self._start([self.previous[index]])
+                self._drain(IN_FLIGHT)
                 self.metrics["weights/delta_bytes_sent"] += self.plan[index].nbytes
                 self.metrics["weights/delta_resent_buckets"] += 1
+            self._drain(0)
         except BaseException:
             self.previous = {}
             raise

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -321,7 +322,7 @@ class WeightPublisher:
             self._join(accept)
             if self.delta is not None:
                 assert self.session is not None  # set with the group by _join
-                self.delta.begin(manifest.step, manifest.buckets, self.group, self.session)
+                self.delta.begin(manifest.step, manifest.buckets, self.group, self.session, self._watch(manifest.step))
                 sender = TolerantSink(self.delta)
             else:
                 sender = TolerantSink(BroadcastSink(self.group, self.trainer.device, synchronize=False))
@@ -353,15 +354,21 @@ class WeightPublisher:
         already."""
         if self.trainer.device.type != "cuda":
             return None
-        assert self.session is not None  # set with the group by _join
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.trainer.device))  # it waits for every send of the version
+        return self._watch(step)(done.query)
+
+    def _watch(self, step: int) -> Callable[[Callable[[], bool]], BaseException | None]:
+        """Waits for a poll of this session's sends of `step` (weights/send/send_watch.py): aborts the group if the
+        orchestrator takes the version in another session meanwhile, or after SEND_TIMEOUT_S."""
+        assert self.session is not None  # set with the group by _join
+        watch = SendWatch(self.config.output_dir, step, self.session, SEND_TIMEOUT_S)
 
         def abort() -> None:
             close_group(self.group)  # NCCL: aborting the communicator ends its pending broadcasts
             self.group = None
 
-        return SendWatch(self.config.output_dir, step, self.session, SEND_TIMEOUT_S).wait(done.query, abort)
+        return lambda done: watch.wait(done, abort)
 
     def _shared(self, accept: Accept | None) -> Accept:
         """Rank 0's accepted session, on every rank."""
