@@ -5,7 +5,7 @@ import uuid
 
 import pytest
 
-from tests.e2e.helpers import MARKER_VAR, shared_inference, tiny_rl_config
+from tests.e2e.helpers import MARKER_VAR, TOOL_CALL_PARSER, shared_inference, tiny_rl_config
 
 
 @pytest.fixture
@@ -20,7 +20,11 @@ def run_env():
 def tiny_inference(tiny_qwen3_dir, tmp_path_factory):
     """One vLLM server of `tiny_rl_config`'s flags (the tiny Qwen3) for this worker's session, used in turn by the runs
     that need nothing else of inference (SharedInference.run_config), instead of one server per run. Started at the
-    first use, on a port of its own; stopped, leaving nothing behind, when the session ends."""
+    first use, on a port of its own; stopped, leaving nothing behind, when the session ends. It also parses tool calls
+    (`inference.tool_call_parser = "hermes"`, TOOL_CALL_PARSER), which only requests that offer tools use, so the
+    tool environment's run shares it too."""
     root = tmp_path_factory.mktemp("tiny_inference")
-    with shared_inference(tiny_rl_config(tiny_qwen3_dir, root / "unused", max_steps=1), root) as server:
+    config = tiny_rl_config(tiny_qwen3_dir, root / "unused", max_steps=1)
+    config["inference"]["tool_call_parser"] = TOOL_CALL_PARSER
+    with shared_inference(config, root) as server:
         yield server

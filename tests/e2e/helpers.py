@@ -174,6 +174,11 @@ def resume_config(model_dir: Path, output_dir: Path) -> dict:
     )
 
 
+TOOL_CALL_PARSER = "hermes"
+"""The session server's tool-call parser (tests/e2e/conftest.py's tiny_inference; vLLM's hermes parser, which reads
+the tool calls Qwen3's chat template asks for)."""
+
+
 @dataclass(frozen=True)
 class SharedInference:
     """One vLLM server that several `slipstream rl` runs of the same model and inference flags use in turn, each run
@@ -182,6 +187,8 @@ class SharedInference:
 
     url: str
     token: str
+    log: Path
+    """The server's log (the inference process's output)."""
 
     def run_config(self, config: dict) -> dict:
         """`config` (one of this server's flags) as a run that uses this server instead of starting its own."""
@@ -214,7 +221,7 @@ def shared_inference(config: dict, root: Path, env: dict[str, str] | None = None
         # ours, not another worker's on the same port: it takes this server's admin token
         reply = httpx.get(f"{url}/weight_info", headers=admin_headers(token), timeout=10)
         assert reply.status_code == 200 and reply.json() == {"weight_version": "default"}, reply.text
-        yield SharedInference(url, token)
+        yield SharedInference(url, token, root / "inference" / "logs" / "inference.log")
         launcher.send_signal(signal.SIGTERM)
         launcher.wait(timeout=60)
     deadline = time.monotonic() + 10

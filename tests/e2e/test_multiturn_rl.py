@@ -1,5 +1,6 @@
 """End to end through real vLLM (CPU build): a multi-turn game (wordle) and a tool environment (calculator, with
-vLLM's hermes tool parser) each train 2 steps with a tiny random Qwen3 through `slipstream rl`.
+vLLM's hermes tool parser, on the session's shared server) each train 2 steps with a tiny random Qwen3 through
+`slipstream rl`.
 
 The random model never makes a valid tool call nor solves a word: calculator rollouts end after one turn (no tool
 call = the final answer), wordle rollouts use every guess. Both must still complete, count and train. The calculator
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.helpers import processes_with_marker, tiny_rl_config, write_config
+from tests.e2e.helpers import TOOL_CALL_PARSER, processes_with_marker, tiny_rl_config, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -23,12 +24,15 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_rl(tmp_path: Path, run_env, model_dir: Path, orchestrator: dict, **sections) -> Path:
-    """`slipstream rl` for 2 steps; returns the run directory. Fails with the logs' tails if the run fails."""
+def run_rl(tmp_path: Path, run_env, model_dir: Path, orchestrator: dict, server=None, **sections) -> Path:
+    """`slipstream rl` for 2 steps (on `server`, a SharedInference, if given); returns the run directory. Fails with
+    the logs' tails if the run fails."""
     marker, env = run_env
     out = tmp_path / "run"
     config = tiny_rl_config(model_dir, out, max_steps=2, **sections)
     config["orchestrator"].update(orchestrator)
+    if server is not None:
+        config, env = server.run_config(config), server.env(env)
     path = write_config(tmp_path / "rl.toml", config)
     start = time.monotonic()
     proc = subprocess.run(
@@ -86,7 +90,10 @@ def test_wordle_trains_two_steps_and_stops_at_the_context_limit(tiny_qwen3_dir, 
     assert all(e["num_errors"] == 0 and e["env_metrics"]["num_guesses"] == 2 for e in evals)  # stopped at turn 3
 
 
-def test_calculator_with_tool_parser_trains_two_steps_and_evaluates_online(tiny_qwen3_dir, tmp_path, run_env):
+def test_calculator_with_tool_parser_trains_two_steps_and_evaluates_online(
+    tiny_inference, tiny_qwen3_dir, tmp_path, run_env
+):
+    """On the session's vLLM server (tests/e2e/conftest.py), which parses tool calls with vLLM's hermes parser."""
     calculator = {"name": "calculator", "args": {"num_tasks": 32, "num_eval_tasks": 4, "max_turns": 3}}
     online_eval = {"interval": 1, "num_tasks": 4, "num_samples": 2}
     out = run_rl(
@@ -96,9 +103,10 @@ def test_calculator_with_tool_parser_trains_two_steps_and_evaluates_online(tiny_
         # synchronous: batch 2 needs policy 1, whose load waits for the evaluation of policy 0 to end, so that
         # evaluation's metrics land in batch 1 or 2
         {"env": calculator, "eval": online_eval, "max_async_level": 0},
-        inference={"tool_call_parser": "hermes"},
+        server=tiny_inference,
+        inference={"tool_call_parser": TOOL_CALL_PARSER},
     )
-    assert "--tool-call-parser hermes" in (out / "logs" / "inference.log").read_text()
+    assert f"--tool-call-parser {TOOL_CALL_PARSER}" in tiny_inference.log.read_text()
     metrics = check_trained(out)
     for m in metrics:
         assert m["rollout/num_turns_mean"] >= 1 and m["rollout/stop/env_done"] >= 1

@@ -8,7 +8,8 @@ weights of an uninterrupted run, bit for bit.
 The interrupted runs start their own vLLM (the kill must stop it, or leave none behind); the uninterrupted reference
 and the resumed runs use one vLLM server in turn (`resume_server`), as runs against a long-lived inference server do:
 a resumed run finds the weights of the run before it there, loads the model's initial weights back, then its
-checkpoint's, and must still end bit for bit where the reference, which found the server fresh, ended.
+checkpoint's, and must still end bit for bit where the reference ended. The server is the session's (tests/e2e/
+conftest.py's tiny_inference), which other runs may have used before the reference.
 
 Other victims are covered elsewhere: benchmarks/chaos.py (tests/e2e/test_chaos.py) kills a trainer rank, the torchrun
 agent, the launcher, the orchestrator and the inference server in one seeded run and checks every resume bit-exact and
@@ -30,7 +31,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.e2e.helpers import RESUME_MAX_STEPS as MAX_STEPS
-from tests.e2e.helpers import processes_with_marker, resume_config, shared_inference, write_config
+from tests.e2e.helpers import processes_with_marker, resume_config, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 RELOAD_LINE = "not this run's initial ones: loading the initial weights from"
@@ -47,11 +48,10 @@ KILL_POINTS = [
 
 
 @pytest.fixture(scope="module")
-def resume_server(tiny_qwen3_dir, tmp_path_factory):
-    """The vLLM server of `resume_config`'s flags, used in turn by the reference and the resumed runs."""
-    root = tmp_path_factory.mktemp("resume_server")
-    with shared_inference(resume_config(tiny_qwen3_dir, root / "unused"), root) as server:
-        yield server
+def resume_server(tiny_inference):
+    """The vLLM server the reference and the resumed runs use in turn: the session's (`resume_config` has
+    `tiny_rl_config`'s inference flags)."""
+    return tiny_inference
 
 
 @pytest.fixture(scope="module")
