@@ -66,6 +66,20 @@ def _freeze_mid_transfer(out, launcher: subprocess.Popen, deadline: float) -> in
         time.sleep(0.002)
 
 
+def check_redone_after_restart(out, checks: list[dict], frozen: int, stdout: str) -> None:
+    """The version frozen mid-transfer was sent again and verified on the restarted server. A recovery interrupted
+    after the trainer delivered it (the new server lost too, or its reply failed: the orchestrator logs it) rightly
+    goes on to the next version the trainer offers; the message names the recovery's and the launcher's lines."""
+    orchestrator_log = (out / "logs" / "orchestrator.log").read_text()
+    recovery = [line for line in orchestrator_log.splitlines() if "inference" in line and "WARNING" in line]
+    restarts = [line for line in stdout.splitlines() if "restart" in line or "healthy again" in line]
+    after_restart = [c["step"] for c in checks if c["after_restart"]]
+    lost_again = orchestrator_log.count("inference lost again while re-establishing its weights")
+    why = f"after-restart checks {after_restart}, frozen {frozen}; orchestrator: {recovery}; launcher: {restarts}"
+    assert after_restart and after_restart[0] >= frozen, why
+    assert after_restart == [frozen] or lost_again >= 1, why
+
+
 def test_gloo_transfer_through_vllm_survives_a_kill_mid_transfer(tiny_qwen3_dir, tmp_path, run_env):
     marker, env = run_env
     out = tmp_path / "run"
@@ -107,16 +121,7 @@ def test_gloo_transfer_through_vllm_survives_a_kill_mid_transfer(tiny_qwen3_dir,
     assert all(c["passed"] for c in checks), checks
     # as exact as through files (test_rl_tiny: float32 on both sides): far inside the 1e-3 tolerance
     assert max(c["max_abs_diff"] for c in checks) < 1e-4, checks
-    # the redone transfer, verified on the new server; a recovery interrupted after the trainer delivered the frozen
-    # version (the new server lost too, or its reply failed) goes on to the next version the trainer offers
-    orchestrator_log = (out / "logs" / "orchestrator.log").read_text()
-    recovery = [line for line in orchestrator_log.splitlines() if "inference" in line and "WARNING" in line]
-    restarts = [line for line in stdout.splitlines() if "restart" in line or "healthy again" in line]
-    after_restart = [c["step"] for c in checks if c["after_restart"]]
-    lost_again = orchestrator_log.count("inference lost again while re-establishing its weights")
-    why = f"after-restart checks {after_restart}, frozen {frozen}; orchestrator: {recovery}; launcher: {restarts}"
-    assert after_restart and after_restart[0] >= frozen, why
-    assert after_restart == [frozen] or lost_again >= 1, why
+    check_redone_after_restart(out, checks, frozen, stdout)
     assert checks[-1]["step"] == MAX_STEPS
     # versions that came by broadcast only are not on disk; the last one is
     assert not (weights_dir(out, frozen) / READY).exists() and (weights_dir(out, MAX_STEPS) / READY).exists()
