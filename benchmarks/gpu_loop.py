@@ -19,8 +19,11 @@ Per run it prints the medians over the steps after the first two (warm-up: CUDA 
 - `update_ms`: the whole update seen by the orchestrator (calibration, pause, load, probe check);
 - `send_gbps`: the trainer's weight send (bytes over `weights/send_s`, which leaves out `accept_wait_s`, the time the
   trainer waited for the orchestrator to take the version); `wire_gbps`: over the sends alone (`weights/wire_s`);
-- with `--no-stall` the pause is the swap alone (`pause_phases_ms`' `swap`), and `stage` the transfer vLLM generated
-  through;
+- with `--no-stall` the pause is the swap alone (`pause_phases_ms`' `swap`: the server's handled time of
+  /finish_weight_update, which includes the wait for the engine step in progress, generating), and `stage` the
+  transfer vLLM generated through; `engine_swap_ms` is the engine's own swap (median, max and count over every staged
+  version, warm-up included), from vLLM's log: the time from /finish_weight_update's start in the worker until the
+  staged weights are live on the GPU, the time vLLM did not generate;
 - with `--delta` each version after the first goes as the elements that changed (weights.delta over NCCL):
   `delta_ratio` per version (bytes on the wire over a full send's), `changed_fraction`, and the buckets a receiver's
   checksum sent back for a full resend (`delta_resent_buckets`; every bucket loaded is checked against the checksum of
@@ -39,6 +42,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -85,6 +89,7 @@ def rl_config(model: str, out: Path, steps: int, async_level: int, args: argpars
         "trainer": {
             "optim": {"lr": args.lr, "max_grad_norm": 1.0, "state_dtype": args.state_dtype},
             "compile": args.compile,
+            "profile_steps": args.profile_steps,
         },
         "checkpoint": {"interval": 0},  # a measurement: no checkpoint at the last step (12 bytes per parameter)
         **weights_config(args),
@@ -175,6 +180,22 @@ def _median(records: list[dict], key: str, scale: float = 1.0) -> float | None:
     return statistics.median(values) if values else None
 
 
+SWAP_LINE = re.compile(r"swapped in version \d+ in ([0-9.]+) s")
+"""The engine's log line for a staged version's swap (weights/receive/engine.py finish_weight_update)."""
+
+
+def engine_swaps(run: Path) -> dict | None:
+    """The engines' own swap times (ms) from the run's vLLM logs: median, max and count; None without a swap."""
+    values = [
+        float(m.group(1)) * 1e3
+        for log in sorted((run / "logs").glob("inference*.log"))
+        for m in SWAP_LINE.finditer(log.read_text(errors="replace"))
+    ]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "max": max(values), "n": len(values)}
+
+
 def summarize(run: Path, wall: float) -> dict:
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steady = metrics[2:] or metrics
@@ -203,6 +224,7 @@ def summarize(run: Path, wall: float) -> dict:
         "wire_gbps": _median(steady, "weights/wire_gbps"),
         "accept_wait_s": _median(steady, "weights/accept_wait_s"),
         "pause_phases_ms": {k.split("/")[-1][:-2]: _median(per_update, k, 1e3) for k in phases},
+        "engine_swap_ms": engine_swaps(run),
         "loop_lag_max_ms": _median(steady, "orchestrator/loop_lag_max_ms"),
         "weight_bytes": steady[-1].get("weights/bytes"),
         "delta_ratio": [m.get("weights/delta_ratio") for m in metrics if "weights/delta_ratio" in m],
@@ -339,6 +361,13 @@ def main() -> None:
         "--delta",
         action="store_true",
         help="weights.delta over nccl: each version sent as the elements that changed (or whole, when smaller)",
+    )
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        nargs="*",
+        default=[],
+        help="trainer.profile_steps: these steps' training under torch.profiler (OUT/<name>_async<N>/run/profiles/)",
     )
     p.add_argument(
         "--micro-batch-tokens",

@@ -13,6 +13,7 @@ from slipstream.config.trainer import OptimConfig, ParallelConfig, TrainerConfig
 from slipstream.monitor.metrics import read_metrics
 from slipstream.trainer.data import to_packed
 from slipstream.trainer.logprobs import compute_logprobs
+from slipstream.trainer.profile import profile_paths
 from slipstream.trainer.rl import run_trainer, setup_trainer
 from slipstream.trainer.step import train_step
 from slipstream.transport.rollouts import MicroBatch, TrainingBatch, wait_for_batch, write_batch
@@ -122,6 +123,7 @@ def test_run_trainer_trains_publishes_and_logs(model, model_dir, tmp_path, capsy
         optim=OptimConfig(lr=1e-2),
         device="cpu",
         batch_timeout_s=5.0,
+        profile_steps=[2],
     )
     run_trainer(config)
 
@@ -143,6 +145,12 @@ def test_run_trainer_trains_publishes_and_logs(model, model_dir, tmp_path, capsy
     assert re.search(
         r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z INFO \[trainer\] step 2/2 \| reward 0\.500", out, re.M
     ), out
+
+    # trainer.profile_steps = [2]: step 2's training profiled, step 1 not
+    summary, trace = profile_paths(tmp_path, 2, rank=0)
+    assert re.match(r"trainer step 2, rank 0, cpu: the window .* took \d+\.\d{3} s of wall time", summary.read_text())
+    assert "aten::mm" in summary.read_text() and json.loads(trace.read_text())["traceEvents"]
+    assert sorted(p.name for p in (tmp_path / "profiles").iterdir()) == sorted([summary.name, trace.name])
 
     probe = read_probe(tmp_path, 2)
     assert len(probe["logprobs"]) == len(probe["token_ids"]) - 1
@@ -252,3 +260,12 @@ def test_run_trainer_serves_prometheus_and_logs_to_wandb_offline(model, model_di
     assert got["slipstream_loss"] == pytest.approx(last["loss"])
     (run,) = (tmp_path / "wandb").rglob("offline-run-*")
     assert b"grad_norm" in b"".join(p.read_bytes() for p in run.glob("*.wandb"))
+
+
+def test_profile_steps_are_step_numbers(model_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"trainer.profile_steps are step numbers, >= 1 \(got \[0\]\)"):
+        TrainerConfig(model=ModelConfig(name=str(model_dir)), output_dir=tmp_path, max_steps=2, profile_steps=[0, 2])
+    config = TrainerConfig(
+        model=ModelConfig(name=str(model_dir)), output_dir=tmp_path, max_steps=2, profile_steps=[3, 2, 3]
+    )
+    assert config.profile_steps == [2, 3]

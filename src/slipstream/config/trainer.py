@@ -261,6 +261,19 @@ class TrainerConfig(BaseConfig):
     """A step whose gradient norm is NaN/inf is skipped (weights unchanged, still published so the run keeps its
     cadence) and counted; after this many such steps in a row the trainer stops with an error."""
 
+    profile_steps: list[int] = []
+    """Steps whose training (forward, backward, optimizer step: what `tokens_per_s` times) runs under torch.profiler;
+    each rank writes `profiles/trainer_step<N>_rank<R>.txt` (wall time, the device's and the host's busy time, the top
+    operators) and `.json` (a Chrome trace, for Perfetto) in the output folder. Profiling slows those steps; pick
+    steps after the first two (compilation, warm-up). Empty: no profiling."""
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _check_profile_steps(cls, value: list[int]) -> list[int]:
+        if bad := [s for s in value if s < 1]:
+            raise ValueError(f"trainer.profile_steps are step numbers, >= 1 (got {bad}): steps count from 1")
+        return sorted(set(value))
+
     @field_validator("resume_step")
     @classmethod
     def _check_resume_step(cls, value: int | str | None) -> int | str | None:

@@ -11,6 +11,7 @@ from slipstream.monitor.sinks import Monitors
 from slipstream.parallel.dist import barrier
 from slipstream.trainer.ckpt import committed_steps, save_checkpoint
 from slipstream.trainer.data import validate_batch
+from slipstream.trainer.profile import profiled
 from slipstream.trainer.schedule import apply_lr
 from slipstream.trainer.setup import Trainer, setup_trainer, teardown_trainer
 from slipstream.trainer.step import train_step
@@ -46,16 +47,17 @@ def run_trainer(config: TrainerConfig) -> None:
             validate_batch(batch, step, trainer.data_rank, trainer.num_data_ranks)
             t_batch = time.perf_counter()
             apply_lr(trainer.optimizer, config.optim, step, config.max_steps)  # logged by train_step as `lr`
-            metrics = train_step(
-                trainer.policy,
-                trainer.optimizer,
-                batch,
-                config.loss,
-                config.optim.max_grad_norm,
-                trainer.device,
-                trainer.autocast_dtype,
-                trainer.image_inputs,
-            )
+            with profiled(step, config.profile_steps, config.output_dir, trainer.info.rank, trainer.device):
+                metrics = train_step(
+                    trainer.policy,
+                    trainer.optimizer,
+                    batch,
+                    config.loss,
+                    config.optim.max_grad_norm,
+                    trainer.device,
+                    trainer.autocast_dtype,
+                    trainer.image_inputs,
+                )
             t_train = time.perf_counter()
             metrics["nonfinite/total"] = nonfinite.update(step, bool(metrics["nonfinite/skipped"]))
             metrics |= step_memory(trainer, config)  # a sleeping colocated vLLM wakes into it once we publish

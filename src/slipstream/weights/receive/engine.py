@@ -44,6 +44,9 @@ from slipstream.weights.wire.collective import GroupInit
 from slipstream.weights.wire.stream import BroadcastSink, Bucket, Manifest
 
 logger = logging.getLogger(__name__)
+SWAP_LOG = "slipstream weight transfer: swapped in version %d in %.4f s (of which %.4f s waiting for its staging)"
+"""Logged at each staged version's swap (weights.no_stall): the time from /finish_weight_update's start in the worker
+until the staged weights are live on the device, the time vLLM did not generate (benchmarks/gpu_loop.py reads it)."""
 
 
 @dataclass
@@ -208,8 +211,11 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
             if line:
                 logger.info("slipstream weight transfer: %s", line)
         if staged is not None:
+            # the copies queued on the device are done before the clock stops: the time vLLM did not generate
+            if self.receiver.device.type == "cuda":
+                torch.cuda.synchronize(self.receiver.device)
             logger.info(
-                "slipstream weight transfer: swapped in version %d in %.4f s (of which %.4f s waiting for its staging)",
+                SWAP_LOG,
                 staged.stats.step,
                 time.perf_counter() - start,
                 staged.waited_s,
