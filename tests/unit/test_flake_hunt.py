@@ -92,7 +92,11 @@ def test_counts_failed_runs_per_test_with_first_lines(tmp_path):
     test_file.write_text(GENERATED_TESTS)
     (tmp_path / "family_helpers.py").write_text(FAMILY_HELPERS)
     lines = []
-    result = hunt([str(test_file)], runs=3, out=tmp_path / "out", log=lines.append)
+    # node ids are relative to pytest's rootdir, which for files outside the repository depends on where the
+    # repository lives (a clone under /tmp shares /tmp with them): fixed here, as a hunt of the repository's tests has
+    # the repository's pyproject.toml
+    rootdir = ["--rootdir", str(tmp_path)]
+    result = hunt([str(test_file)], runs=3, pytest_args=rootdir, out=tmp_path / "out", log=lines.append)
 
     failures = {node_id: [(run, msg) for run, msg in record.failures] for node_id, record in result.tests.items()}
     assert {node_id: record.runs for node_id, record in result.tests.items()} == dict.fromkeys(failures, 3)
