@@ -15,6 +15,7 @@ from slipstream.config.shared import ModelConfig
 from slipstream.models.resolve import resolve_model_config
 from slipstream.monitor.metrics import read_metrics
 from slipstream.rundir import RunDir
+from slipstream.trainer.profile import profile_paths
 from slipstream.trainer.setup import setup_trainer
 from slipstream.trainer.sft import run_sft
 from slipstream.trainer.sft_data import CURSOR_FILE, DataCursor, pack_micro_batches
@@ -105,7 +106,7 @@ def test_sft_trains_checkpoints_resumes_bit_exactly_and_exports(tiny_qwen3_dir, 
 
     # Uninterrupted run of 4 steps, through the CLI.
     full = tmp_path / "full"
-    config = _config(tiny_qwen3_dir, tmp_path, full)
+    config = _config(tiny_qwen3_dir, tmp_path, full, profile_steps=[3])
     toml = tmp_path / "sft.toml"
     config.write_toml(toml)
     assert cli_main(["sft", "-c", str(toml)]) == 0
@@ -120,6 +121,11 @@ def test_sft_trains_checkpoints_resumes_bit_exactly_and_exports(tiny_qwen3_dir, 
     with pytest.raises(ValueError, match="trained on 10 samples, the training files now hold 11"):
         DataCursor.read(cursor_path, 11)
     assert "step 4/4" in capsys.readouterr().out
+    summary, trace = profile_paths(full, 3, rank=0)  # profile_steps = [3]: step 3's training profiled, no other
+    assert "trainer step 3, rank 0, cpu" in summary.read_text() and trace.is_file()
+    assert len(list((full / "profiles").iterdir())) == 2
+    with pytest.raises(ValueError, match=r"profile_steps are step numbers, >= 1 \(got \[-1\]\)"):
+        _config(tiny_qwen3_dir, tmp_path, full, profile_steps=[-1])
     plots = RunDir(full).plots_dir  # drawn at the end: training loss with the validation points, grad norm, ...
     assert {"loss.png", "grad_norm.png", "overview.png"} <= {p.name for p in plots.iterdir()}
 

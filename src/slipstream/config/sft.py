@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from slipstream.config.base import BaseConfig
 from slipstream.config.shared import CheckpointConfig, ModelConfig
 from slipstream.config.slurm import SlurmConfig
-from slipstream.config.trainer import OptimConfig, ParallelConfig, TrainerConfig
+from slipstream.config.trainer import OptimConfig, ParallelConfig, TrainerConfig, check_profile_steps
 from slipstream.config.weights import WeightsConfig
 
 
@@ -122,6 +122,10 @@ class SFTConfig(BaseConfig):
     num_threads: int | None = Field(None, ge=1)
     """torch CPU threads per rank (default: torch's choice)."""
 
+    profile_steps: list[int] = []
+    """Steps whose training (the step's forward, backward and optimizer step) runs under torch.profiler, written to
+    `profiles/` in the output folder, as `trainer.profile_steps` of `slipstream trainer --help`."""
+
     slurm: SlurmConfig | None = None
     """Present: `slipstream sft` submits the fine-tuning as a Slurm job instead of running it here: torchrun on
     every node of the job (slurm.num_nodes), slurm.gpus_per_node ranks each (1 without GPUs), a static rendezvous
@@ -133,6 +137,11 @@ class SFTConfig(BaseConfig):
     dry_run: bool = False
     """`--dry-run` (with [slurm]): write the job script and the node config, print the sbatch command, submit
     nothing."""
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _check_profile_steps(cls, value: list[int]) -> list[int]:
+        return check_profile_steps(value, "profile_steps")
 
     @field_validator("resume_step")
     @classmethod
@@ -187,5 +196,6 @@ class SFTConfig(BaseConfig):
             device=self.device,
             compile=self.compile,
             num_threads=self.num_threads,
+            profile_steps=self.profile_steps,
             weights=WeightsConfig(transport="filesystem"),
         )

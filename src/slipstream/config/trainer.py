@@ -161,6 +161,13 @@ class ProbeConfig(BaseConfig):
     """Probe text; it is tokenized with the model's tokenizer."""
 
 
+def check_profile_steps(value: list[int], name: str) -> list[int]:
+    """`name`'s steps sorted, once each; a step below 1 is refused."""
+    if bad := [s for s in value if s < 1]:
+        raise ValueError(f"{name} are step numbers, >= 1 (got {bad}): steps count from 1")
+    return sorted(set(value))
+
+
 class TrainerConfig(BaseConfig):
     """Trains the policy on the orchestrator's batches and publishes weights."""
 
@@ -270,9 +277,7 @@ class TrainerConfig(BaseConfig):
     @field_validator("profile_steps")
     @classmethod
     def _check_profile_steps(cls, value: list[int]) -> list[int]:
-        if bad := [s for s in value if s < 1]:
-            raise ValueError(f"trainer.profile_steps are step numbers, >= 1 (got {bad}): steps count from 1")
-        return sorted(set(value))
+        return check_profile_steps(value, "trainer.profile_steps")
 
     @field_validator("resume_step")
     @classmethod

@@ -17,6 +17,7 @@ from slipstream.monitor.metrics import MetricsWriter, format_progress
 from slipstream.parallel.dist import barrier
 from slipstream.rundir import RunDir
 from slipstream.trainer.ckpt import committed_steps
+from slipstream.trainer.profile import profiled
 from slipstream.trainer.rl import NonFiniteGuard, maybe_checkpoint
 from slipstream.trainer.schedule import apply_lr
 from slipstream.trainer.setup import Trainer, setup_trainer, teardown_trainer
@@ -59,14 +60,15 @@ def run_sft(config: SFTConfig) -> None:
             indices, cursor = next_batch(len(data.train), cursor, config.batch_size, config.seed, config.data.shuffle)
             mine = rank_share(indices, trainer.data_rank, trainer.num_data_ranks)
             apply_lr(trainer.optimizer, config.optim, step, config.max_steps)
-            metrics = sft_step(
-                trainer,
-                [data.train[i] for i in indices],
-                [data.train[i] for i in mine],
-                config.micro_batch_tokens,
-                config.optim.max_grad_norm,
-                sharing,
-            )
+            with profiled(step, config.profile_steps, config.output_dir, trainer.info.rank, trainer.device):
+                metrics = sft_step(
+                    trainer,
+                    [data.train[i] for i in indices],
+                    [data.train[i] for i in mine],
+                    config.micro_batch_tokens,
+                    config.optim.max_grad_norm,
+                    sharing,
+                )
             metrics["nonfinite/total"] = nonfinite.update(step, bool(metrics["nonfinite/skipped"]))
             t_train = time.perf_counter()
             metrics |= maybe_validate(trainer, config, data, step, sharing)
