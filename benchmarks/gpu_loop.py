@@ -31,7 +31,9 @@ Per run it prints the medians over the steps after the first two (warm-up: CUDA 
 - `pause_phases_ms`: where the pause went, per vLLM admin call (`timing/weight_pause/<call>_s`; `<call>_server`: the
   server's own part of it);
 - `loop_lag_max_ms`: the orchestrator's event loop, its worst lateness in a step (utils/loop_lag.py);
-- `train_tok_s`: the trainer's tokens/s (loss, backward, optimizer step);
+- `train_tok_s`: the trainer's tokens/s (loss, backward, optimizer step), of the packed tokens (a group's prompt
+  once); `train_model_tok_s`: of the tokens its model ran (on CUDA each sample with its own prompt: compare this one
+  with `trainer_throughput.py` on samples of the same length);
 - `steps_per_hour`: from the median interval between steps' records;
 - the weight checks: how many passed, the floor and the worst margin.
 The baseline prints `tokens_per_s` of both servers (best of 3 waves of the same 128 requests, every request forced to
@@ -231,6 +233,7 @@ def summarize(run: Path, wall: float) -> dict:
         "changed_fraction": [m.get("weights/changed_fraction") for m in metrics if "weights/changed_fraction" in m],
         "delta_resent_buckets": sum(m.get("weights/delta_resent_buckets", 0) for m in metrics),
         "train_tok_s": _median(steady, "tokens_per_s"),
+        "train_model_tok_s": _median(steady, "model_tokens_per_s"),
         "steps_per_hour": 3600.0 / statistics.median(intervals),
         "mismatch_kl_step1": metrics[0].get("mismatch_kl"),
         "mismatch_kl_median": _median(metrics, "mismatch_kl"),

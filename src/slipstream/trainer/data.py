@@ -35,6 +35,10 @@ class PackedMicroBatch:
     layout: "PaddedLayout | None" = None
     """The rows' layout, computed on the CPU while validating (to_packed) and copied with the tokens, so the
     forward need not rebuild it on the device (a host sync and a dozen small kernels per micro-batch)."""
+    sample_tokens: int | None = None
+    """Tokens of the micro-batch's samples written out one by one (each prefix tree's branches with their own copy
+    of the shared prefix): what a forward that cannot take a tree runs (`expand_trees`); counted on the CPU by
+    to_packed (None: not counted)."""
 
     @property
     def num_tokens(self) -> int:
@@ -75,7 +79,7 @@ def to_packed(mb: MicroBatch, device: torch.device) -> PackedMicroBatch:
         cpu = _to_cpu_packed(mb)
     if torch.device(device).type == "cpu":
         return cpu
-    return PackedMicroBatch(**{f: None if t is None else t.to(device) for f, t in vars(cpu).items()})
+    return PackedMicroBatch(**{f: t if t is None or isinstance(t, int) else t.to(device) for f, t in vars(cpu).items()})
 
 
 @contextmanager
@@ -113,7 +117,18 @@ def _to_cpu_packed(mb: MicroBatch) -> PackedMicroBatch:
         ) from e
     if mb.routing is not None:
         cpu = replace(cpu, replay_TRA=routing_tensor(mb.routing, len(mb.input_ids), torch.device("cpu")))
-    return replace(cpu, layout=validate_packed(cpu))
+    layout = validate_packed(cpu)
+    return replace(cpu, layout=layout, sample_tokens=written_out_tokens(cpu.position_ids_T, layout))
+
+
+def written_out_tokens(position_ids_T: Tensor, layout: PaddedLayout) -> int:
+    """Tokens of the samples with every tree written out (`expand_trees`): a branch's first token sits at the
+    position where its shared prefix ends, so each branch adds that many copied tokens."""
+    if not layout.num_branches:
+        return position_ids_T.numel()
+    t_T = torch.arange(position_ids_T.numel())
+    branch_start_T = (layout.parent_T >= 0) & (layout.parent_T != t_T - 1)
+    return position_ids_T.numel() + int(position_ids_T[branch_start_T].sum())
 
 
 def _tensor(values: list, dtype: type) -> Tensor:

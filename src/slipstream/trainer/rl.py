@@ -67,6 +67,7 @@ def run_trainer(config: TrainerConfig) -> None:
             if writer is not None:
                 metrics |= {
                     "tokens_per_s": metrics["num_tokens"] / max(t_train - t_batch, 1e-9),
+                    "model_tokens_per_s": metrics["num_model_tokens"] / max(t_train - t_batch, 1e-9),
                     "timing/wait_batch_s": t_batch - t_start,
                     "timing/train_s": t_train - t_batch,
                     "timing/publish_s": t_publish - t_train,

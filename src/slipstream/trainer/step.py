@@ -50,7 +50,8 @@ def train_step(
     policy.train()
     total: LossStats | None = None
     entropy_sum = torch.zeros((), device=device)
-    num_tokens = 0
+    num_tokens = model_tokens = 0
+    writes_out_trees = not policy.runs_prefix_trees(device)
     num_passes = all_reduce_max(len(batch.micro_batches), device)
     routers = [m for m in policy.modules() if isinstance(m, TopKRouter)]
     replay_sums = torch.zeros(3, dtype=torch.float64, device=device)  # (token-layers, replayed, agreeing)
@@ -95,10 +96,12 @@ def train_step(
         total = stats if total is None else total + stats
         summed_T = packed.loss_mask_T if owned_T is None else packed.loss_mask_T & owned_T
         entropy_sum += torch.where(summed_T, entropy_T, 0.0).sum()
-        num_tokens += packed.num_tokens if owned_T is None else int(owned_T.sum())
+        owned = packed.num_tokens if owned_T is None else int(owned_T.sum())
+        num_tokens += owned
+        model_tokens += packed.sample_tokens if writes_out_trees and packed.sample_tokens is not None else owned
 
     grad_norm, skipped = clip_and_step(policy, optimizer, max_grad_norm)
-    metrics = summarize_step(total, entropy_sum, grad_norm, optimizer, batch, num_tokens, replay_sums)
+    metrics = summarize_step(total, entropy_sum, grad_norm, optimizer, batch, (num_tokens, model_tokens), replay_sums)
     return metrics | {"nonfinite/skipped": float(skipped)}
 
 
@@ -157,19 +160,20 @@ def summarize_step(
     grad_norm: Tensor,
     optimizer: torch.optim.Optimizer,
     batch: TrainingBatch,
-    num_tokens: int,
+    num_tokens: tuple[int, int],
     replay_sums: Tensor | None = None,
 ) -> dict[str, float | None]:
     """Exact means over the step's loss tokens on all ranks (None where a mean has no tokens); one all-reduce.
-    `replay_sums`: router replay's (token-layers of replayed micro-batches, replayed, agreeing) on this rank."""
+    `num_tokens`: this rank's (packed tokens, tokens its model ran: more where prefix trees were written out as their
+    samples). `replay_sums`: router replay's (token-layers of replayed micro-batches, replayed, agreeing) here."""
     names = [f.name for f in fields(total)]
     local = [getattr(total, name).double() for name in names]
-    local += [entropy_sum.double(), torch.tensor(num_tokens, dtype=torch.float64, device=entropy_sum.device)]
+    local += [entropy_sum.double(), *torch.tensor(num_tokens, dtype=torch.float64, device=entropy_sum.device)]
     replay = replay_sums if replay_sums is not None else torch.zeros(3, dtype=torch.float64, device=entropy_sum.device)
     local += list(replay.unbind(0))
     values = all_reduce_sum(torch.stack(local)).tolist()
     replay_names = ["replay_token_layers", "replayed", "agreeing"]
-    s = dict(zip([*names, "entropy_sum", "num_tokens", *replay_names], values, strict=True))
+    s = dict(zip([*names, "entropy_sum", "num_tokens", "num_model_tokens", *replay_names], values, strict=True))
     num_loss, num_masked = s["num_loss_tokens"], s["num_masked"]
     replay_metrics = {}
     if s["replay_token_layers"] > 0:
@@ -188,6 +192,7 @@ def summarize_step(
         "lr": optimizer.param_groups[0]["lr"],
         "num_loss_tokens": batch.num_loss_tokens,
         "num_tokens": int(s["num_tokens"]),
+        "num_model_tokens": int(s["num_model_tokens"]),
     }
 
 

@@ -15,8 +15,9 @@ with an error that says so.
 On CUDA (NCCL) the thread queues its receives from a CUDA stream of its own: the broadcasts' waits land on that
 stream, never on the stream vLLM's forward passes run on, so generation does not queue behind a transfer (it shares
 the GPU with NCCL's kernels meanwhile). The thread returns once the device has finished them (the receiver
-synchronizes the device from this thread, which blocks no other), so the swap reads complete buffers. Built and
-tested on CPU workers (gloo); the CUDA path has not yet run on a GPU.
+synchronizes the device from this thread, which blocks no other), so the swap reads complete buffers. Tested on CPU
+workers (gloo); measured on 2 x H200 with vLLM 0.26.0 (benchmarks/RESULTS.md): the swap took 4-14 ms on the 0.6B and
+the 8-layer 30B-A3B shapes, against 0.35-0.5 s paused.
 """
 
 import logging
