@@ -18,7 +18,8 @@ Per run it prints the medians over the steps after the first two (warm-up: CUDA 
   event loop, while vLLM's engine still generated;
 - `update_ms`: the whole update seen by the orchestrator (calibration, pause, load, probe check);
 - `send_gbps`: the trainer's weight send (bytes over `weights/send_s`, which leaves out `accept_wait_s`, the time the
-  trainer waited for the orchestrator to take the version); `wire_gbps`: over the sends alone (`weights/wire_s`);
+  trainer waited for the orchestrator to take the version, and `receiver_wait_ms`, the wait for vLLM's workers to be
+  about to receive); `wire_gbps`: over the sends alone (`weights/wire_s`);
 - with `--no-stall` the pause is the swap alone (`pause_phases_ms`' `swap`: the server's handled time of
   /finish_weight_update, which includes the wait for the engine step in progress, generating), and `stage` the
   transfer vLLM generated through; `engine_swap_ms` is the engine's own swap (median, max and count over every staged
@@ -225,6 +226,7 @@ def summarize(run: Path, wall: float) -> dict:
         "send_gbps": _median(steady, "weights/send_gbps"),
         "wire_gbps": _median(steady, "weights/wire_gbps"),
         "accept_wait_s": _median(steady, "weights/accept_wait_s"),
+        "receiver_wait_ms": _median(steady, "weights/receiver_wait_s", 1e3),
         "pause_phases_ms": {k.split("/")[-1][:-2]: _median(per_update, k, 1e3) for k in phases},
         "engine_swap_ms": engine_swaps(run),
         "loop_lag_max_ms": _median(steady, "orchestrator/loop_lag_max_ms"),

@@ -9,9 +9,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slipstream.config.shared import ModelConfig
-from slipstream.config.trainer import TrainerConfig
-from slipstream.config.weights import WeightsConfig
 from slipstream.trainer.setup import setup_trainer, teardown_trainer
 from slipstream.weights.send.folder import publish_weights
 from slipstream.weights.send.publish import WeightPublisher
@@ -24,21 +21,13 @@ from slipstream.weights.wire.offers import (
 )
 from slipstream.weights.wire.published import READY, read_probe, weights_dir
 from tests.e2e.helpers import free_port
-from tests.unit.weight_receiver_proc import start_receiver, wait_for
+from tests.unit.weight_receiver_proc import gloo_trainer_config, start_receiver, wait_for
 
 
 @pytest.mark.timeout(300)
 def test_broadcast_survives_a_receiver_dying_mid_transfer(tiny_qwen3_dir, tmp_path):
     port = free_port()
-    config = TrainerConfig(
-        model=ModelConfig(name=str(tiny_qwen3_dir)),
-        output_dir=tmp_path / "run",
-        max_steps=2,
-        device="cpu",
-        weights=WeightsConfig(
-            transport="gloo", master_port=port, bucket_mb=1, accept_timeout_s=120, track_changes=True
-        ),
-    )
+    config = gloo_trainer_config(tiny_qwen3_dir, tmp_path / "run", port, max_steps=2, track_changes=True)
     trainer = setup_trainer(config)
     publisher = WeightPublisher(trainer, config)
     results: dict[int, dict] = {}

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import torch
 
+from slipstream.config.shared import ModelConfig
+from slipstream.config.trainer import TrainerConfig
+from slipstream.config.weights import WeightsConfig
 from slipstream.weights.receive.receiver import WeightReceiver
 from slipstream.weights.wire.collective import GroupInit
 from slipstream.weights.wire.offers import read_manifest
@@ -29,6 +32,14 @@ def start_receiver(
     argv = [sys.executable, "-m", "tests.unit.weight_receiver_proc", str(run_dir), str(step), session, str(world_size)]
     argv += [str(port), str(out), "--die-after", str(die_after), "--rank-offset", str(senders)]
     return subprocess.Popen(argv, cwd=REPO_ROOT)
+
+
+def gloo_trainer_config(model_dir: Path, output_dir: Path, port: int, max_steps: int, **weights) -> TrainerConfig:
+    """A CPU trainer of `max_steps` publishing by gloo broadcast in 1 MB buckets (several buckets for a tiny model)."""
+    w = WeightsConfig(transport="gloo", master_port=port, bucket_mb=1, accept_timeout_s=120, **weights)
+    return TrainerConfig(
+        model=ModelConfig(name=str(model_dir)), output_dir=output_dir, max_steps=max_steps, device="cpu", weights=w
+    )
 
 
 def wait_for(predicate, timeout_s: float = 60.0) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from slipstream.weights.receive.bucket_receive import DirectLoader, ReceiveBuffers, receive_buckets
 from slipstream.weights.receive.delta_receive import DeltaMirror, DeltaStats, receive_delta
-from slipstream.weights.wire.collective import GroupInit, close_group, open_group, open_store
+from slipstream.weights.wire.collective import GroupInit, close_group, mark_posted, open_group, open_store
 from slipstream.weights.wire.published import INCOMPLETE_MARKER
 from slipstream.weights.wire.shared_buffer import bucket_offsets, open_shared
 from slipstream.weights.wire.stream import Manifest, iter_safetensors, unpack
@@ -117,6 +117,8 @@ class WeightReceiver:
                         "weights arrive by broadcast but this worker has not joined the sender's group: call "
                         "/init_weight_transfer_engine first"
                     )
+                assert self.store is not None and self.init is not None  # set with the group by join
+                mark_posted(self.store, self.init.session, step)  # the senders start once every receiver is here
                 if manifest.delta:
                     delta = DeltaStats()
                     for pairs in receive_delta(self.group, manifest, self.mirror, delta):

@@ -39,7 +39,7 @@ from slipstream.weights.send.lora_export import MERGED_DIR, adapter_plan, gather
 from slipstream.weights.send.piece_send import NotDirect, PieceSender
 from slipstream.weights.send.send_watch import SendWatch
 from slipstream.weights.wire.bucket_assembly import BucketBuffers, stream_to
-from slipstream.weights.wire.collective import GroupInit, close_group, open_group, open_store
+from slipstream.weights.wire.collective import GroupInit, close_group, open_group, open_store, receivers_posted
 from slipstream.weights.wire.offers import (
     MANIFEST,
     OFFER,
@@ -94,6 +94,10 @@ class WeightPublisher:
         self.previous: tuple[int, list[float]] | None = None
         """(version, probe log-probs) of the last version published or noted (note_start_probe)."""
         self.wire_s: float | None = None
+        self.receiver_wait_s = 0.0
+        """Collective transports: this version's wait for the receivers to post their receives (not the transfer)."""
+        self.posted: tuple[tuple[str, int], int] = (("", -1), 0)
+        """(session, step) and how many rounds of its receivers' marks the senders waited for (one per attempt)."""
         """Collective transports: the last publish's seconds in its sends (joining a new session included), without
         the offer, the wait for an accept and the delivery files; None for the others."""
         if self.transport in ("nccl", "gloo") and trainer.info.is_main:
@@ -176,7 +180,7 @@ class WeightPublisher:
         t_probe = time.perf_counter()
         if self.lora is not None:
             return self._publish_adapter(step, probe) | {"weights/probe_s": t_probe - start}
-        waited, self.wire_s = 0.0, None
+        waited, self.wire_s, self.receiver_wait_s = 0.0, None, 0.0
         if self.changes is not None:
             self.changes.begin(step, manifest.buckets)
         if self.transport == "ipc":
@@ -185,7 +189,7 @@ class WeightPublisher:
             attempts = self._publish_files(step, stream, manifest, probe)
         else:
             attempts, waited = self._publish_broadcast(step, stream, manifest, probe)
-        seconds = time.perf_counter() - t_probe - waited
+        seconds = time.perf_counter() - t_probe - waited - self.receiver_wait_s
         changes = self.changes.take() if self.changes is not None else {}
         if self.delta is not None:
             changes |= self.delta.take()
@@ -193,6 +197,7 @@ class WeightPublisher:
             changes |= {
                 "weights/wire_s": self.wire_s,
                 "weights/wire_gbps": manifest.nbytes / max(self.wire_s, 1e-9) / 1e9,
+                "weights/receiver_wait_s": self.receiver_wait_s,
             }
         return changes | {
             "weights/bytes": float(manifest.nbytes),
@@ -286,14 +291,14 @@ class WeightPublisher:
                     self.config.output_dir, step, self.refused, self.config.weights.accept_timeout_s
                 )
                 waited += time.perf_counter() - asked
-            sending = time.perf_counter()
+            sending, receivers_before = time.perf_counter(), self.receiver_wait_s
             if self.pieces is not None:
                 error = self._send_pieces(self._shared(accept), folder if files else None, manifest)
             else:
                 error = self._send_gathered(accept, stream, manifest, folder if files else None)
             if error is None and self.group is not None:
                 error = self._await_sent(step)
-            self.wire_s += time.perf_counter() - sending
+            self.wire_s = self.wire_s + time.perf_counter() - sending - (self.receiver_wait_s - receivers_before)
             if self._agree(error is None):
                 break
             if error is not None:
@@ -317,9 +322,11 @@ class WeightPublisher:
     ) -> BaseException | None:
         """Every rank gathers, rank 0 sends each bucket (and writes it into `folder`, if given)."""
         sinks: list[BucketSink] = []
-        sender = None
+        sender = late = None
         if accept is not None:
             self._join(accept)
+            late = self._wait_receivers(accept, manifest.step)
+        if accept is not None and late is None:
             if self.delta is not None:
                 assert self.session is not None  # set with the group by _join
                 self.delta.begin(manifest.step, manifest.buckets, self.group, self.session, self._watch(manifest.step))
@@ -331,8 +338,8 @@ class WeightPublisher:
                 sinks.append(SafetensorsSink(folder, len(manifest.buckets)))
             if self.changes is not None:
                 sinks.append(self.changes)
-        stream_to(stream, manifest, sinks, self.buffers)
-        return None if sender is None else sender.error
+        stream_to(stream, manifest, sinks, self.buffers)  # the other ranks' gathers go on whatever rank 0 does
+        return late if sender is None else sender.error
 
     def _send_pieces(self, accept: Accept, folder: Path | None, manifest: Manifest) -> BaseException | None:
         """Every rank joins its lane of the session and sends its own rows (rank 0 also writes `folder`, if given)."""
@@ -340,6 +347,9 @@ class WeightPublisher:
         files = SafetensorsSink(folder, len(manifest.buckets)) if folder is not None and self.is_main else None
         try:
             self._join(accept)
+            late = self._wait_receivers(accept, manifest.step)
+            if late is not None:
+                return late
             observers = (self.changes,) if self.changes is not None else ()
             self.pieces.send(self.group, self.trainer.device, files, collect=folder is not None, observers=observers)
         except (RuntimeError, OSError) as e:  # torch.distributed reports a lost peer as RuntimeError/DistBackendError
@@ -347,6 +357,21 @@ class WeightPublisher:
             self.group = None
             return e
         return None
+
+    def _wait_receivers(self, accept: Accept, step: int) -> BaseException | None:
+        """Wait until every receiver of the session marked that it is about to post its receives of `step`
+        (weights/wire/collective.py), watching for the version being taken in another session as `_await_sent` does.
+        None when they are all there; the error (the group aborted) otherwise. Counted in `receiver_wait_s`."""
+        senders = self.trainer.world_size if self.pieces is not None else 1
+        key = (accept.session, step)
+        rounds = self.posted[1] + 1 if self.posted[0] == key else 1
+        self.posted = (key, rounds)
+        count, store = (accept.world_size - senders) * rounds, self.store
+        assert store is not None  # set by _join
+        start = time.perf_counter()
+        error = self._watch(step)(lambda: receivers_posted(store, accept.session, step) >= count)
+        self.receiver_wait_s += time.perf_counter() - start
+        return error
 
     def _await_sent(self, step: int) -> BaseException | None:
         """CUDA: wait until this rank's broadcasts of `step` have completed, aborting the group if the orchestrator

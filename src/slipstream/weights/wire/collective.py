@@ -5,6 +5,11 @@ receiver, a *lane* (`Lanes`), so that the senders' pieces travel side by side on
 
 A session is one life of the receiving side: when an inference server restarts, the orchestrator opens a new session
 and both sides build a fresh group under its prefix, on the same store.
+
+Before each version's broadcasts the senders wait until every receiver said, on the store, that it is about to post
+its receives (`mark_posted`, `receivers_posted`): an NCCL send completes only with its receive, so a broadcast started
+while vLLM's workers are still on their way to /update_weights (the API server's loop can be 100-300 ms late) holds
+the link idle, and the trainer's timing of the send would count that wait as transfer.
 """
 
 import datetime
@@ -76,6 +81,20 @@ class GroupInit:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _posted_key(session: str, step: int) -> str:
+    return f"slipstream/posted/{session}/{step}"
+
+
+def mark_posted(store: dist.Store, session: str, step: int) -> None:
+    """A receiver of `session` is about to post its receives of version `step` (the senders wait for it)."""
+    store.add(_posted_key(session, step), 1)
+
+
+def receivers_posted(store: dist.Store, session: str, step: int) -> int:
+    """How many receivers of `session` marked version `step` (`mark_posted`) so far."""
+    return store.add(_posted_key(session, step), 0)
 
 
 def open_store(addr: str, port: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
