@@ -92,6 +92,7 @@ def rl_config(model: str, out: Path, steps: int, async_level: int, args: argpars
         "trainer": {
             "optim": {"lr": args.lr, "max_grad_norm": 1.0, "state_dtype": args.state_dtype},
             "compile": args.compile,
+            "packed_attention": args.packed_attention,
             "profile_steps": args.profile_steps,
         },
         "checkpoint": {"interval": 0},  # a measurement: no checkpoint at the last step (12 bytes per parameter)
@@ -331,7 +332,7 @@ def baseline(model: str, args: argparse.Namespace) -> dict:
     return rates | {"ratio": rates["slipstream"] / rates["bare"], "requests": len(prompts)}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a Hugging Face model folder")
     p.add_argument("--name", default="model")
@@ -357,6 +358,12 @@ def main() -> None:
         help="vLLM's GPU and the trainer's (two runs on one node need four)",
     )
     p.add_argument("--compile", action="store_true", help="trainer.compile (torch.compile each block)")
+    p.add_argument(
+        "--packed-attention",
+        choices=("varlen", "flex"),
+        default="varlen",
+        help="trainer.packed_attention: flex keeps each group's prompt shared (a prefix tree); varlen runs it per sample",
+    )
     p.add_argument(
         "--no-stall",
         action="store_true",
@@ -392,7 +399,11 @@ def main() -> None:
     )
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (vLLM starts sooner; for correctness runs)")
     p.add_argument("--out", type=Path, default=Path("outputs/gpu_loop"))
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"model": args.name}
     if args.baseline:

@@ -1,9 +1,13 @@
-"""benchmarks/gpu_loop.py's summary of a run folder: the no-stall figures (the server's swap, the engine's own)."""
+"""benchmarks/gpu_loop.py: its summary of a run folder (the no-stall figures: the server's swap, the engine's own), and
+the config it hands `slipstream rl`."""
 
 import json
 
 import pytest
+import tomli_w
 
+from slipstream.config.loader import load_config
+from slipstream.config.rl import RLConfig
 from tests.benchmark_scripts import load_benchmark
 
 
@@ -47,3 +51,24 @@ def test_the_engines_own_swap_comes_from_the_line_vllms_worker_logs(tmp_path):
 def test_a_run_without_staged_versions_has_no_engine_swap(tmp_path):
     _write_run(tmp_path, ["INFO [vllm] slipstream weight transfer: loaded version 3"])
     assert load_benchmark("gpu_loop").summarize(tmp_path, wall=10.0)["engine_swap_ms"] is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--compile", "--packed-attention", "flex", "--no-stall", "--profile-steps", "6", "7"],
+        ["--delta", "--lr", "1e-5", "--stream-interval", "8"],
+        ["--colocate", "--gpu", "1", "--sleep-level", "0", "--eager"],
+    ],
+)
+def test_the_loops_config_is_one_slipstream_rl_accepts(tmp_path, argv):
+    """What gpu_loop.py hands `slipstream rl` parses, with each flag where it belongs."""
+    gpu_loop = load_benchmark("gpu_loop")
+    args = gpu_loop.build_parser().parse_args(["--model", str(tmp_path / "model"), *argv])
+    path = tmp_path / "rl.toml"
+    path.write_text(tomli_w.dumps(gpu_loop.rl_config(args.model, tmp_path / "run", 4, 1, args)))
+    config = load_config(RLConfig, ["-c", str(path)])
+    assert config.trainer.packed_attention == args.packed_attention and config.trainer.compile == args.compile
+    assert config.weights.no_stall == args.no_stall and config.weights.delta.enabled == args.delta
+    assert config.deployment.colocate == (True if args.colocate else None)
