@@ -49,11 +49,13 @@ def _cli(*args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> sub
 
 
 def check_make(tokens: list[str], tmp_path: Path) -> None:
-    """A Makefile target whose dry run runs what the README says it runs."""
-    (target,) = tokens[1:]
+    """A Makefile target (with the README's variables) whose dry run runs what the README says it runs."""
+    target, *variables = tokens[1:]
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(rf"^{re.escape(target)}:", makefile, flags=re.M), f"no `{target}` target in the Makefile"
-    dry = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], capture_output=True, text=True, cwd=ROOT)
+    assert all(re.search(rf"^{v.split('=')[0]} \??=", makefile, flags=re.M) for v in variables), variables
+    argv = ["make", "-n", target, f"VENV={tmp_path / 'venv'}", *variables]
+    dry = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
     assert dry.returncode == 0, dry.stderr
     venv_python = f"{tmp_path / 'venv'}/bin/python"
     assert f"{venv_python} -m pip install" in dry.stdout  # creates .venv and installs what it needs
@@ -66,6 +68,10 @@ def check_make(tokens: list[str], tmp_path: Path) -> None:
         assert rl.model.dtype == "float32" and rl.inference.enforce_eager and rl.weights.transport == "filesystem"
     if target == "test":
         assert f'{venv_python} -m pytest tests -q -m "not gpu"' in dry.stdout
+    if target == "demo-gpu":  # the GPU build; SFT on CUDA, then the 2-GPU example (tests/unit/test_makefile.py: the chain)
+        assert '-m pip install -q -e ".[gpu]"' in dry.stdout and "--device cuda" in dry.stdout
+        assert f"{venv_python} -m slipstream rl -c examples/reverse_text/rl-gpu-smollm2.toml" in dry.stdout
+        place_gpu_example(["slipstream", "rl", "-c", "examples/reverse_text/rl-gpu-smollm2.toml"], tmp_path)
 
 
 def check_pip_install(tokens: list[str], tmp_path: Path) -> None:
@@ -155,7 +161,7 @@ def check_docker_build(tokens: list[str], tmp_path: Path) -> None:
 def claim(tokens: list[str]) -> Callable[[list[str], Path], None] | None:
     """The check of a README command, or None."""
     match tokens:
-        case ["make", _]:
+        case ["make", _, *variables] if all("=" in v for v in variables):
             return check_make
         case ["pip", "install", "-e", _]:
             return check_pip_install
