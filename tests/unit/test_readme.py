@@ -68,7 +68,9 @@ def check_make(tokens: list[str], tmp_path: Path) -> None:
         assert rl.model.dtype == "float32" and rl.inference.enforce_eager and rl.weights.transport == "filesystem"
     if target == "test":
         assert f'{venv_python} -m pytest tests -q -m "not gpu"' in dry.stdout
-    if target == "demo-gpu":  # the GPU build; SFT on CUDA, then the 2-GPU example (tests/unit/test_makefile.py: the chain)
+    if (
+        target == "demo-gpu"
+    ):  # the GPU build; SFT on CUDA, then the 2-GPU example (tests/unit/test_makefile.py: the chain)
         assert '-m pip install -q -e ".[gpu]"' in dry.stdout and "--device cuda" in dry.stdout
         assert f"{venv_python} -m slipstream rl -c examples/reverse_text/rl-gpu-smollm2.toml" in dry.stdout
         place_gpu_example(["slipstream", "rl", "-c", "examples/reverse_text/rl-gpu-smollm2.toml"], tmp_path)
