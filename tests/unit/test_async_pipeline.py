@@ -128,6 +128,13 @@ def chat_records(server: SimServer) -> list:
     return [r for r in server.engine.records if r.endpoint == "chat"]
 
 
+def salts(records: list) -> list[str]:
+    """The records' cache salts without their scope, which must be one (the client's: one orchestrator start)."""
+    scopes, unscoped = zip(*(r.cache_salt.split(":", 1) for r in records), strict=True)
+    assert len(set(scopes)) == 1, scopes
+    return list(unscoped)
+
+
 def assert_true_logprobs(rollout: Rollout) -> None:
     """The simulator's log-prob of a token depends on the version that produced it: the stamps must match."""
     pairs = zip(rollout.token_versions, rollout.completion_token_ids, strict=True)
@@ -158,11 +165,11 @@ def test_rollout_spanning_two_updates_carries_both_versions_and_nothing_restarts
 
     # One request per group, never re-sent; the salt follows the version served when each request was sent.
     records = chat_records(server)
-    assert [r.cache_salt for r in records] == ["policy-0", "policy-0", "policy-1"]
-    assert all(r.cache_salt == f"policy-{r.version_at_arrival}" for r in records)
+    assert salts(records) == ["policy-0", "policy-0", "policy-1"]
+    assert salts(records) == [f"policy-{r.version_at_arrival}" for r in records]
     assert server.engine.loads == [str(weights_dir(tmp_path.resolve(), s)) for s in (1, 2)]
-    probes = [r.cache_salt for r in server.engine.records if r.endpoint == "completions"]
-    assert probes == ["policy-1", "policy-2"]
+    probes = [r for r in server.engine.records if r.endpoint == "completions"]
+    assert salts(probes) == ["policy-1", "policy-2"] and salts(probes + records)
     ledger = pipeline.ledger
     assert (ledger.num_dispatched, ledger.num_cancelled, ledger.num_dropped, ledger.num_abandoned) == (3, 0, 0, 0)
 
@@ -184,8 +191,8 @@ def test_groups_older_than_max_off_policy_steps_are_cancelled_and_counted(tmp_pa
     ledger = pipeline.ledger
     assert (ledger.num_dispatched, ledger.num_cancelled, ledger.num_dropped, ledger.num_abandoned) == (4, 1, 0, 0)
     records = chat_records(server)
-    assert [r.cache_salt for r in records[:3]] == ["policy-0", "policy-0", "policy-1"] and len(records) == 4
-    assert all(r.cache_salt == f"policy-{r.version_at_arrival}" for r in records)
+    assert salts(records[:3]) == ["policy-0", "policy-0", "policy-1"] and len(records) == 4
+    assert salts(records) == [f"policy-{r.version_at_arrival}" for r in records]
 
 
 def test_spare_groups_keep_a_slow_group_from_holding_back_a_batch(tmp_path):

@@ -53,6 +53,8 @@ class FakeVLLM:
         self.closed_streams: list[str] = []
         """Request ids whose stream ended before the last chunk (client disconnect)."""
         self.weight_version = "default"
+        self.salt_scopes: set[str] = set()
+        """The scope part of the chats' cache salts (`<scope>:policy-<version>`): one per orchestrator start."""
         routes = [
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
@@ -123,7 +125,9 @@ class FakeVLLM:
         if "max_completion_tokens" not in body:
             return JSONResponse({"error": "no max_completion_tokens"}, status_code=400)
         request_id = f"chatcmpl-{len(self.calls)}"
-        self.calls.append(f"chat:{body['cache_salt']}")
+        scope, salt = body["cache_salt"].split(":", 1)
+        self.salt_scopes.add(scope)
+        self.calls.append(f"chat:{salt}")
         text = body["messages"][-1]["content"]
         self.request_texts[request_id] = text
         prompt_ids = list((body["messages"][0]["content"] + text).encode())
@@ -286,11 +290,12 @@ def test_loop_versions_and_weight_loads(tmp_path, async_level, publish_after, ve
     assert all(m["batch/zero_adv_groups"] == 0 for m in metrics)
     assert all(m["pipeline/cancelled_groups"] == m["pipeline/dropped_groups"] == 0 for m in metrics)
 
-    # The prefix cache is freed before the first rollout (nothing of an earlier run is reused). Chats of a version
-    # are sent only once its load is verified; the run ends serving the final policy. The trainer publishes its last
-    # two steps back to back, so the orchestrator may load step 2 before step 3.
+    # Chats of a version are sent only once its load is verified, salted within one scope (nothing another run
+    # cached is reused, and no prefix-cache reset is needed for that); the run ends serving the final policy. The
+    # trainer publishes its last two steps back to back, so the orchestrator may load step 2 before step 3.
+    assert len(server.salt_scopes) == 1
     loads = [int(c.removeprefix("load:step_")) for c in server.calls if c.startswith("load:")]
-    expected = ["reset_prefix_cache"] + ["chat:policy-0"] * 2 * (1 + async_level)
+    expected = ["chat:policy-0"] * 2 * (1 + async_level)
     for v in sorted(set(versions) - {0}):
         expected += load_calls(v) + [f"chat:policy-{v}"] * 2 * versions.count(v)
     expected += [call for v in loads[len(set(versions)) - 1 :] for call in load_calls(v)]

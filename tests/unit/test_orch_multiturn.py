@@ -32,7 +32,7 @@ from slipstream.transport.rollouts import batch_path, read_batch
 from slipstream.utils.net import free_port
 from slipstream_sim import SimConfig, SimServer, serve_in_thread, sim_logprob
 from tests.unit.test_async_pipeline import MODEL as SIM_MODEL
-from tests.unit.test_async_pipeline import config_for
+from tests.unit.test_async_pipeline import config_for, salts
 from tests.unit.test_orch_loop import MODEL, FakeVLLM, fake_logprob, make_config, run_with_trainer
 from tests.unit.test_orch_online_eval import run_with_fast_trainer
 
@@ -400,7 +400,7 @@ def test_multi_turn_against_the_streaming_simulator(tmp_path, monkeypatch):
             tokens = [(t, lp) for t, lp, m in zip(mb.input_ids, mb.inference_logprobs, mb.loss_mask, strict=True) if m]
             assert tokens and all(lp in {sim_logprob(v, t) for v in range(n)} for t, lp in tokens)
     chats = [r for r in server.engine.records if r.endpoint == "chat"]
-    assert all(r.n == 1 and r.cache_salt == f"policy-{r.version_at_arrival}" for r in chats)
+    assert all(r.n == 1 for r in chats) and salts(chats) == [f"policy-{r.version_at_arrival}" for r in chats]
 
 
 def test_a_batch_without_model_tokens_is_a_clear_error():

@@ -84,11 +84,10 @@ def test_resumed_orchestrator_regenerates_the_same_batches(tmp_path):
 
     server = SeedRecordingVLLM()
     _run(make_config(resumed, "", resume_step="latest", **fields), server, 2)
-    # nothing cached is kept from before (orchestrator/weights.py's serve_initial), then step 1's weights are loaded
-    # and verified before the first rollout; it is served at policy version 1
-    assert server.calls[:7] == [
-        "reset_prefix_cache", "pause:keep", "load:step_1", "reset_prefix_cache", "resume", "score", "chat:policy-1"
-    ]  # fmt: skip
+    # step 1's weights are loaded and verified before the first rollout; it is served at policy version 1, in a
+    # cache-salt scope of its own: nothing the first start cached (its version 1 included) is reused
+    assert server.calls[:6] == ["pause:keep", "load:step_1", "reset_prefix_cache", "resume", "score", "chat:policy-1"]
+    assert len(first.salt_scopes) == len(server.salt_scopes) == 1 and first.salt_scopes != server.salt_scopes
     assert _batches(resumed, range(2, 4)) == _batches(straight, range(2, 4))
     assert server.seeds == reference.seeds[2:] and len(set(reference.seeds)) == 6 and None not in reference.seeds
     assert read_batch(batch_path(resumed, 3, 0)).metrics["pipeline/dispatched_groups"] == 6

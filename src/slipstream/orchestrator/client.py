@@ -90,6 +90,7 @@ class InferenceClient(GenerationClient):
         """One client per engine behind the router (empty: base_url is the one engine)."""
         for engine in self.engines:
             engine.on_unavailable = self._engine_lost
+            engine.salt_scope = self.salt_scope  # the weight check's probes share the rollouts' scope
         self._world_sizes: list[int] = []
 
     @property
@@ -233,18 +234,6 @@ class InferenceClient(GenerationClient):
         if response.status_code != 200:
             raise InferenceError(f"{where} returned HTTP {response.status_code}: {response.text[:500]}")
         return json_reply(response, where)
-
-    async def reset_prefix_cache(self, timeout_s: float, poll_s: float = 0.5) -> bool:
-        """Free every engine's prefix cache, asking again while requests still hold blocks (vLLM refuses then), for
-        at most `timeout_s`; whether every engine's cache was freed."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            replies = await asyncio.gather(*(e.post("/reset_prefix_cache") for e in self.admin_clients))
-            if all(bool((r or {}).get("success", False)) for r in replies):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(poll_s)
 
     async def sleep(self, level: int) -> None:
         """Put every engine to sleep (vLLM's sleep mode; level 0 only pauses scheduling); requests still in flight

@@ -37,8 +37,6 @@ log = logging.getLogger(__name__)
 
 INITIAL_WEIGHT_VERSION = "default"
 """vLLM's /weight_info of a server that has finished no weight update since it started."""
-PREFIX_CACHE_RESET_S = 30.0
-"""How long a server that served another run may hold its prefix cache (requests of that run still running)."""
 
 
 class WeightRelay:
@@ -129,15 +127,15 @@ class WeightRelay:
         self._wake.set()
 
     async def serve_initial(self) -> None:
-        """Before the first rollout (fresh or resumed): make inference serve this run's initial weights (version 0),
-        with nothing cached of another run. A server that finished a weight update since it started (vLLM's
-        /weight_info names a version, not "default") serves another run's policy, e.g. a long-lived inference server
-        a restarted run reuses: the model's own checkpoint is loaded back first, saying so, so that rollouts and the
-        weight check's calibration see the initial weights (a server that cannot tell, no /weight_info, too). Then
-        the prefix cache is freed: cache salts are per version, not per run, so KV another run cached (of its own
-        versions or LoRA adapters) would be reused. With model.lora the base weights are left alone: vLLM with LoRA
-        takes only adapters (its layers wrap the base weights, which a full load cannot name), so no run changed them,
-        and this run's adapter is loaded by name at its first version."""
+        """Before the first rollout (fresh or resumed): make inference serve this run's initial weights (version 0).
+        A server that finished a weight update since it started (vLLM's /weight_info names a version, not "default")
+        serves another run's policy, e.g. a long-lived inference server a restarted run reuses: the model's own
+        checkpoint is loaded back first, saying so, so that rollouts and the weight check's calibration see the
+        initial weights (a server that cannot tell, no /weight_info, too). KV another run cached is never reused: each
+        client start salts its requests within its own scope (GenerationClient.salt_scope), so nothing needs freeing
+        here, and runs sharing a server (LoRA tenants) never wait on each other. With model.lora the base weights are
+        left alone: vLLM with LoRA takes only adapters (its layers wrap the base weights, which a full load cannot
+        name), so no run changed them, and this run's adapter is loaded by name at its first version."""
         versions = await self.client.weight_versions()
         stale = {url: version for url, version in versions.items() if version != INITIAL_WEIGHT_VERSION}
         if stale and self.config.model.lora is not None:
@@ -155,12 +153,6 @@ class WeightRelay:
                 0, {"step": 0, "model": str(folder)}, before_resume=lambda: self._serve(0)
             )
             log.info(f"inference serves the initial weights again (loaded in {load.seconds:.1f}s)")
-        if not await self.client.reset_prefix_cache(PREFIX_CACHE_RESET_S):
-            raise RuntimeError(
-                f"inference kept refusing to free its prefix cache for {PREFIX_CACHE_RESET_S:g}s before this run's "
-                "first rollout: requests of another client are running on it, and KV it cached could be reused by this "
-                "run; stop that client (one run per inference server) or restart the server"
-            )
 
     def _initial_weights_dir(self) -> Path:
         model = self.config.model

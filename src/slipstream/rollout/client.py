@@ -14,6 +14,7 @@ import asyncio
 import json
 import math
 import re
+import secrets
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
@@ -98,6 +99,11 @@ class GenerationClient:
         """Called whenever a call finds the server unavailable (the weight relay starts its recovery)."""
         self.server_timing: dict[str, ServerTiming] = {}
         """Path -> what the server said of the last admin call to it (inference/auth.py's reply headers)."""
+        self.salt_scope = secrets.token_hex(6)
+        """Prefix of every request's cache_salt, new at each start of a client: a server's cached KV is reused only
+        by requests of the client start that cached it, never by another run sharing the server (LoRA tenants) or a
+        restart of this one, whose versions of the same number may hold other weights. No prefix-cache reset is
+        needed for that (vLLM refuses one while other clients' requests hold blocks)."""
 
     @property
     def available(self) -> bool:
@@ -181,6 +187,10 @@ class GenerationClient:
             return response.text
         return json_reply(response, where) if response.content else None
 
+    def scoped_salt(self, cache_salt: str) -> str:
+        """The cache_salt a request carries: `cache_salt` (a policy version's) within this client start's scope."""
+        return f"{self.salt_scope}:{cache_salt}"
+
     def chat_body(self, messages: list[dict[str, Any]], sampling: Mapping[str, Any], n: int, cache_salt: str) -> dict:
         """Body of a chat completion with `n` samples returning token ids and per-token logprobs."""
         return {
@@ -191,7 +201,7 @@ class GenerationClient:
             "logprobs": True,
             "top_logprobs": 0,
             "return_token_ids": True,
-            "cache_salt": cache_salt,
+            "cache_salt": self.scoped_salt(cache_salt),
         }
 
     async def chat(
@@ -251,7 +261,7 @@ class GenerationClient:
             "max_tokens": 1,
             "temperature": 1.0,
             "prompt_logprobs": 0,
-            "cache_salt": cache_salt,
+            "cache_salt": self.scoped_salt(cache_salt),
         }
         reply = await self.post("/v1/completions", json=body)
         return parse_prompt_logprobs(reply, token_ids, f"{self.base_url}/v1/completions")
@@ -276,7 +286,7 @@ class GenerationClient:
                 "logprobs": 1,
                 "logprob_token_ids": [token_ids[position]],
                 "return_tokens_as_token_ids": True,
-                "cache_salt": cache_salt,
+                "cache_salt": self.scoped_salt(cache_salt),
             }
             reply = await self.post("/v1/completions", json=body)
             return parse_token_logprob(reply, token_ids[position], f"{where} (position {position})")

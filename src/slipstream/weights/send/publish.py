@@ -96,12 +96,10 @@ class WeightPublisher:
         self.previous: tuple[int, list[float]] | None = None
         """(version, probe log-probs) of the last version published or noted (note_start_probe)."""
         self.wire_s: float | None = None
-        self.receiver_wait_s = 0.0
-        """Collective transports: this version's wait for the receivers to post their receives (not the transfer)."""
-        self.posted: tuple[tuple[str, int], int] = (("", -1), 0)
-        """(session, step) and how many rounds of its receivers' marks the senders waited for (one per attempt)."""
         """Collective transports: the last publish's seconds in its sends (joining a new session included), without
         the offer, the wait for an accept and the delivery files; None for the others."""
+        self.receiver_wait_s = 0.0
+        """Collective transports: this version's wait for the receivers to post their receives (not the transfer)."""
         if self.transport in ("nccl", "gloo") and trainer.info.is_main:
             w = config.weights
             port = w.store_port("the trainer's weight transfer")
@@ -364,11 +362,8 @@ class WeightPublisher:
         """Wait until every receiver of the session marked that it is about to post its receives of `step`
         (weights/wire/collective.py), watching for the version being taken in another session as `_await_sent` does.
         None when they are all there; the error (the group aborted) otherwise. Counted in `receiver_wait_s`."""
-        senders = self.trainer.world_size if self.pieces is not None else 1
-        key = (accept.session, step)
-        rounds = self.posted[1] + 1 if self.posted[0] == key else 1
-        self.posted = (key, rounds)
-        count, store = (accept.world_size - senders) * rounds, self.store
+        # one attempt per session: a failed attempt refuses its session, so the next one is sent to a new session
+        count, store = accept.world_size - self._senders(), self.store
         assert store is not None  # set by _join
         start = time.perf_counter()
         error = self._watch(step)(lambda: receivers_posted(store, accept.session, step) >= count)
@@ -431,7 +426,7 @@ class WeightPublisher:
         close_group(self.group)
         self.group = None
         w = self.config.weights
-        senders = self.trainer.world_size if self.pieces is not None else 1
+        senders = self._senders()
         if accept.world_size <= senders:
             raise ValueError(
                 f"the orchestrator accepted the weights for a group of {accept.world_size} ranks, but the trainer "
@@ -445,6 +440,10 @@ class WeightPublisher:
         )
         self.group = open_group(self.store, init, self.trainer.info.rank, self.trainer.device)
         self.session = accept.session
+
+    def _senders(self) -> int:
+        """Trainer ranks that send: every rank its own rows (pieces), or rank 0 after a gather."""
+        return self.trainer.world_size if self.pieces is not None else 1
 
     def _agree(self, ok: bool) -> bool:
         """Whether every rank's part of an attempt succeeded (they all repeat it if one failed)."""
