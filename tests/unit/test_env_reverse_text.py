@@ -31,6 +31,20 @@ def test_garbage_scores_low():
     assert env.reward(task, task.prompt[-1]["content"]) < 1.0
 
 
+def test_train_reward_power_sharpens_train_rewards_only():
+    plain, sharp = ReverseTextEnv(num_tasks=5, seed=1), ReverseTextEnv(num_tasks=5, seed=1, train_reward_power=4)
+    for split in ("train", "eval"):
+        task = sharp.tasks(split)[0]
+        near_miss = task.answer[:-2]
+        ratio = plain.reward(task, near_miss)
+        assert 0.5 < ratio < 1.0
+        expected = ratio**4 if split == "train" else ratio  # held-out tasks keep the plain ratio: comparable scores
+        assert sharp.reward(task, near_miss) == pytest.approx(expected)
+        assert sharp.reward(task, task.answer) == 1.0
+    with pytest.raises(ValueError, match="train_reward_power > 0"):
+        ReverseTextEnv(train_reward_power=0)
+
+
 def test_tasks_are_deterministic_and_in_range():
     a = ReverseTextEnv(num_tasks=50, min_words=3, max_words=8, seed=7)
     b = ReverseTextEnv(num_tasks=50, min_words=3, max_words=8, seed=7)

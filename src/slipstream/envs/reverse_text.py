@@ -1,6 +1,7 @@
 """reverse-text (as in prime-rl): reverse a short English text character by character.
 
-Reward is the difflib similarity ratio between the model's answer and the reversed text.
+Reward is the difflib similarity ratio between the model's answer and the reversed text (on the train split raised to
+`train_reward_power`).
 """
 
 import difflib
@@ -36,7 +37,11 @@ class ReverseTextEnv:
 
     `heldout_words` > 0 reserves that many words of the vocabulary (a seeded choice) for the eval split: train tasks
     never contain them and eval tasks are made of them only, so the eval split measures reversal of words never
-    trained on (with 0, the default, eval tasks are new combinations of the same words)."""
+    trained on (with 0, the default, eval tasks are new combinations of the same words).
+
+    `train_reward_power` p: a train task's reward is ratio ** p, so with p > 1 a near miss earns less against an exact
+    reversal (0.9 -> 0.66 at p = 4) and training is pushed toward exact answers; eval tasks are always scored by the
+    plain ratio, so held-out rewards stay comparable across settings."""
 
     name = "reverse_text"
 
@@ -48,6 +53,7 @@ class ReverseTextEnv:
         max_words: int = 8,
         seed: int = 0,
         heldout_words: int = 0,
+        train_reward_power: float = 1.0,
     ) -> None:
         if not 1 <= min_words <= max_words:
             raise ValueError(f"reverse_text needs 1 <= min_words <= max_words, got {min_words} and {max_words}")
@@ -60,6 +66,9 @@ class ReverseTextEnv:
                 f"reverse_text needs 0 <= heldout_words <= {len(_WORDS) - MIN_TRAIN_WORDS} (the vocabulary has "
                 f"{len(_WORDS)} words and training keeps at least {MIN_TRAIN_WORDS}), got {heldout_words}"
             )
+        if not train_reward_power > 0:
+            raise ValueError(f"reverse_text needs train_reward_power > 0, got {train_reward_power}")
+        self.train_reward_power = train_reward_power
         vocab = {"train": list(_WORDS), "eval": list(_WORDS)}
         if heldout_words:
             shuffled = sorted(_WORDS)
@@ -76,7 +85,8 @@ class ReverseTextEnv:
         return self._tasks[split]
 
     def reward(self, task: Task, completion_text: str) -> float:
-        return difflib.SequenceMatcher(None, parse_answer(completion_text), task.answer, autojunk=False).ratio()
+        ratio = difflib.SequenceMatcher(None, parse_answer(completion_text), task.answer, autojunk=False).ratio()
+        return ratio**self.train_reward_power if task.info.get("split") == "train" else ratio
 
 
 def parse_answer(completion_text: str) -> str:
@@ -94,5 +104,5 @@ def _make_tasks(
     for i in range(num_tasks):
         text = " ".join(rng.choice(words) for _ in range(rng.randint(min_words, max_words)))
         prompt = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": text}]
-        tasks.append(Task(id=f"{split}-{i}", prompt=prompt, answer=text[::-1], info={"text": text}))
+        tasks.append(Task(id=f"{split}-{i}", prompt=prompt, answer=text[::-1], info={"text": text, "split": split}))
     return tasks
