@@ -266,6 +266,7 @@ class InferenceClient(GenerationClient):
         start = time.perf_counter()
         engines = self.admin_clients
         phases: dict[str, float] = {}
+        failure: BaseException | None = None
         try:
             await asyncio.gather(*(e.post("/pause", params={"mode": "keep", "clear_cache": "false"}) for e in engines))
             phases["pause"] = time.perf_counter() - start
@@ -291,12 +292,13 @@ class InferenceClient(GenerationClient):
                     phases[name] = max(phases.get(name, 0.0), seconds)
             if before_resume is not None:
                 before_resume()
+        except BaseException as e:
+            failure = e
+            raise
         finally:
             resumed = time.perf_counter()
-            results = await asyncio.gather(*(e.post("/resume") for e in engines), return_exceptions=True)
+            await self._resume(engines, failure)
             phases["resume"] = time.perf_counter() - resumed
-            if errors := [r for r in results if isinstance(r, BaseException)]:
-                raise errors[0]
             if paused := self._engine_pauses():
                 phases["engine_paused"] = max(paused)
         reset = all(r for r, _ in loads)
@@ -361,6 +363,7 @@ class InferenceClient(GenerationClient):
         start = time.perf_counter()
         engines = self.admin_clients
         body = {"lora_name": name, "lora_path": path, "load_inplace": True}
+        failure: BaseException | None = None
         try:
             await asyncio.gather(*(e.post("/pause", params={"mode": "keep", "clear_cache": "false"}) for e in engines))
             if on_paused is not None:
@@ -371,14 +374,26 @@ class InferenceClient(GenerationClient):
                 client.model_name = name
             if before_resume is not None:
                 before_resume()
+        except BaseException as e:
+            failure = e
+            raise
         finally:
-            results = await asyncio.gather(*(e.post("/resume") for e in engines), return_exceptions=True)
-            if errors := [r for r in results if isinstance(r, BaseException)]:
-                raise errors[0]
+            await self._resume(engines, failure)
         reset = all(bool((r or {}).get("success", False)) if isinstance(r, dict) else False for r in resets)
         paused = self._engine_pauses()
         phases = {"engine_paused": max(paused)} if paused else {}
         return WeightLoad(seconds=time.perf_counter() - start, prefix_cache_reset=reset, phases=phases)
+
+    async def _resume(self, engines: "list[InferenceClient]", failure: BaseException | None) -> None:
+        """/resume on every engine after a paused load. Its own error is raised only where the load succeeded: a
+        load's error (a refused update) stays the one raised, with the resume's as a note. A server may close the
+        connection a failed admin call came on, and the /resume sent on it then fails as if the server were lost."""
+        results = await asyncio.gather(*(e.post("/resume") for e in engines), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors and failure is not None:
+            failure.add_note(f"/resume after it failed too: {type(errors[0]).__name__}: {errors[0]}")
+        elif errors:
+            raise errors[0]
 
     def _engine_pauses(self) -> list[float]:
         """Each engine's pause as its server measured it (/resume's reply header; none from a server without
