@@ -11,7 +11,8 @@ queued) show whether a host falls behind its GPU.
   casts its own rows of each bucket into a reused buffer and broadcasts them on its own lane (a group of it and the
   receivers); receivers replay the copy plan straight from the buffer the pieces arrived in (`--lay-out`: lay the
   bucket out whole first, as the loader's first version does); the bucket plan ramps up from and down to
-  `--edge-mb` (the trainer's weights.edge_bucket_mb);
+  `--edge-mb` (the trainer's weights.edge_bucket_mb); the first buckets are cast before the receivers are ready, as
+  the trainer casts them while it waits for vLLM's workers (`--no-prepare`: inside the clock, as before);
 - `gather` (the fallback, weights/send/export.py): FSDP shards cast to bf16 and all-gathered a chunk of layers at a
   time by weights/send/shard_gather.py, each layer copied into reused dtype-grouped bucket buffers, rank 0 broadcasting
   each bucket while the next layers are gathered.
@@ -26,7 +27,7 @@ loaded by the receivers). `transfer_efficiency` = stream GB/s / that raw broadca
 the path the trainer takes (`pieces`) is printed last.
 
     python benchmarks/weight_transfer.py [--scenarios 1to1,fsdp2] [--models qwen3-0.6b,qwen3-30b-a3b-8l] [--bucket-mb 512]
-        [--edge-mb 32] [--paths pieces,gather] [--skip-filesystem] [--lay-out] [--profile DIR]
+        [--edge-mb 32] [--paths pieces,gather] [--skip-filesystem] [--lay-out] [--no-prepare] [--profile DIR]
 """
 
 import argparse
@@ -144,6 +145,8 @@ def sender_pieces(rank: int, args: dict, pieces, manifest, group, results: dict)
         times = []
         for _ in range(REPEATS + 1):  # the first is a warm-up
             _trainer_barrier(args)
+            if args["prepare"]:
+                pieces.prepare(device)  # the publisher casts these while it waits for the receivers
             _sync(group)  # the receivers are ready (they NaN-fill their parameters before a checked version)
             start = time.perf_counter()
             pieces.send(group, device)
@@ -538,6 +541,7 @@ def run(
     device: str = "cuda",
     edge_mb: int = EDGE_MB,
     lay_out: bool = False,
+    prepare: bool = True,
 ) -> dict:
     num_trainers, num_receivers = SCENARIOS[scenario]
     fs_dir = Path(tempfile.mkdtemp(prefix="slipstream-wt-"))
@@ -556,6 +560,7 @@ def run(
         "paths": paths,
         "device": device,
         "lay_out": lay_out,
+        "prepare": prepare,
     }
     with mp.Manager() as manager:
         results = manager.dict()
@@ -607,6 +612,12 @@ def main() -> int:
         "the wire buffer)",
     )
     parser.add_argument(
+        "--no-prepare",
+        action="store_true",
+        help="pieces path: cast the first buckets inside the clock (the trainer casts them while it waits for the "
+        "receivers: weights/send/piece_send.py PieceSender.prepare)",
+    )
+    parser.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: gloo ranks, a smoke run (figures mean nothing)"
     )
     cli = parser.parse_args()
@@ -631,6 +642,7 @@ def main() -> int:
                 cli.device,
                 cli.edge_mb,
                 cli.lay_out,
+                not cli.no_prepare,
             )
             efficiencies.append(r["pieces_efficiency" if "pieces" in paths else "efficiency"])
             print(

@@ -51,6 +51,54 @@ def test_one_rank_sends_the_bytes_of_the_gather_path(family):
         assert torch.equal(got.buckets[i], want.buckets[i]), i
 
 
+def test_buckets_prepared_ahead_are_sent_once_then_cast_again():
+    """`prepare` casts the first buckets (one per slot) before the send; the send after it takes them as they are, and
+    the next send without one casts every bucket from the weights of that moment."""
+    model = _model()
+    stream = HFWeightStream(model, torch.bfloat16)
+    buckets = tuple(plan_buckets(stream.metas(), 4096))
+    sender = PieceSender(stream, buckets, 0, 1)
+    assert len(buckets) > 3  # more buckets than slots: the prepared slots are reused within the send
+
+    def expected() -> CollectBuckets:
+        want = CollectBuckets()
+        stream_to(stream, Manifest(2, buckets), [want])
+        return want
+
+    for prepare in (True, False):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5)  # a new version
+        want, got = expected(), CollectBuckets()
+        if prepare:
+            sender.prepare(torch.device("cpu"))
+            assert sender.ahead == 3
+        sender.send(_group(), torch.device("cpu"), got)
+        assert sender.ahead == 0
+        assert got.buckets.keys() == want.buckets.keys()
+        for i in want.buckets:
+            assert torch.equal(got.buckets[i], want.buckets[i]), (prepare, i)
+
+
+def test_the_send_after_prepare_does_not_cast_the_prepared_buckets_again():
+    model = _model()
+    stream = HFWeightStream(model, torch.bfloat16)
+    buckets = tuple(plan_buckets(stream.metas(), 4096))
+    sender = PieceSender(stream, buckets, 0, 1)
+    before, got = CollectBuckets(), CollectBuckets()
+    stream_to(stream, Manifest(2, buckets), [before])
+    sender.prepare(torch.device("cpu"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)
+    after = CollectBuckets()
+    stream_to(stream, Manifest(2, buckets), [after])
+    sender.send(_group(), torch.device("cpu"), got)
+    for i in got.buckets:  # the first three as cast by prepare, the others from the weights at the send
+        assert torch.equal(got.buckets[i], (before if i < 3 else after).buckets[i]), i
+        assert not torch.equal(before.buckets[i], after.buckets[i]), i
+
+
 def test_a_parameter_whose_rows_changed_is_refused():
     model = _model()
     stream = HFWeightStream(model, torch.bfloat16)

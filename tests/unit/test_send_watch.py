@@ -50,3 +50,38 @@ def test_the_same_session_keeps_waiting_until_the_timeout(tmp_path):
     error = watch.wait(lambda: False, lambda: aborted.append(1))
     assert isinstance(error, TimeoutError) and "step 3" in str(error)
     assert aborted == [1] and time.monotonic() - start >= 0.2
+
+
+class _Clock:
+    """time for send_watch: monotonic() advances only by what sleep() is asked for (plus 1 us per poll)."""
+
+    def __init__(self) -> None:
+        self.now, self.sleeps = 0.0, []
+
+    def monotonic(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_completion_is_polled_without_sleeping_for_spin_s_then_every_poll_s(tmp_path, monkeypatch):
+    import slipstream.weights.send.send_watch as send_watch
+
+    clock = _Clock()
+    monkeypatch.setattr(send_watch, "time", clock)
+    _accepted(tmp_path, "s1")
+    polls: list[int] = []
+
+    def done() -> bool:
+        polls.append(1)
+        return clock.now > 0.003 + 0.0005 * 4  # 3 ms of spinning, then four sleeps of 0.5 ms
+
+    watch = SendWatch(tmp_path, 3, "s1", timeout_s=10, poll_s=0.0005, spin_s=0.003)
+    assert watch.wait(done, lambda: None) is None
+    spins = [s for s in clock.sleeps if s == 0]
+    assert len(spins) > 100 and clock.sleeps[: len(spins)] == spins  # spinning first: ~1 us a poll
+    assert clock.sleeps[len(spins) :] == [0.0005] * (len(clock.sleeps) - len(spins))
+    assert 4 <= len(clock.sleeps) - len(spins) <= 5

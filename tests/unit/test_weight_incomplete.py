@@ -3,6 +3,7 @@
 server: the run stops with the reason instead of waiting for a restart."""
 
 import asyncio
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -24,23 +25,27 @@ def test_a_tensor_that_never_reached_the_loader_is_named():
         check_loaded(ReceiveStats(3, len(NAMES), 1024, 0.1, "broadcast", NAMES), loaded)
 
 
-def _client(status: int, text: str) -> InferenceClient:
+def _client(server: Callable[[httpx.Request], httpx.Response]) -> InferenceClient:
+    """A client whose engine is `server`, a function from request to response."""
     client = InferenceClient("http://engine", "m", request_timeout_s=5)
-    transport = httpx.MockTransport(lambda request: httpx.Response(status, text=text))
-    client._http = httpx.AsyncClient(base_url="http://engine", transport=transport)
+    client._http = httpx.AsyncClient(base_url="http://engine", transport=httpx.MockTransport(server))
     return client
+
+
+def _reply(status: int, text: str) -> Callable[[httpx.Request], httpx.Response]:
+    return lambda request: httpx.Response(status, text=text)
 
 
 def test_the_engines_refusal_is_not_a_lost_server():
     message = '{"error": {"message": "slipstream weight update incomplete: version 3 arrived whole", "code": 500}}'
-    client = _client(500, message)
+    client = _client(_reply(500, message))
     with pytest.raises(WeightUpdateIncomplete, match="weight update incomplete"):
         asyncio.run(client.post("/update_weights", json={"update_info": {"step": 3}}))
     assert client.available  # no recovery starts: the server is there and said why
 
 
 def test_other_server_errors_still_mean_a_lost_server():
-    client = _client(500, "Internal Server Error")
+    client = _client(_reply(500, "Internal Server Error"))
     with pytest.raises(Exception) as raised:
         asyncio.run(client.post("/update_weights", json={"update_info": {"step": 3}}))
     assert not isinstance(raised.value, WeightUpdateIncomplete) and not client.available
@@ -60,8 +65,7 @@ def test_a_refused_update_stays_the_error_when_the_resume_after_it_fails():
             raise httpx.ReadError("", request=request)
         return httpx.Response(200, json={})
 
-    client = InferenceClient("http://engine", "m", request_timeout_s=5)
-    client._http = httpx.AsyncClient(base_url="http://engine", transport=httpx.MockTransport(server))
+    client = _client(server)
     with pytest.raises(WeightUpdateIncomplete, match="weight update incomplete") as raised:
         asyncio.run(client.load_weights(3, {"step": 3}))
     assert calls == ["/pause", "/start_weight_update", "/update_weights", "/resume"]
@@ -74,8 +78,7 @@ def test_a_resume_that_fails_after_a_good_load_is_raised():
             raise httpx.ReadError("", request=request)
         return httpx.Response(200, json={"success": True})
 
-    client = InferenceClient("http://engine", "m", request_timeout_s=5)
-    client._http = httpx.AsyncClient(base_url="http://engine", transport=httpx.MockTransport(server))
+    client = _client(server)
     with pytest.raises(InferenceUnavailable, match="/resume failed"):
         asyncio.run(client.load_weights(3, {"step": 3}))
     assert not client.available

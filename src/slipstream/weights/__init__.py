@@ -16,9 +16,10 @@ Dataflow of version N (the policy after trainer step N; version 0 is the startin
       send/publish.py       *publish* by `weights.transport`:
         filesystem          safetensors shards + config + probe.json + READY in `weights/step_N/` (send/folder.py)
         nccl / gloo         *offer* (wire/offers.py); the orchestrator ACCEPTs it for a *session*; once every
-                            receiver marked it is about to receive (wire/collective.py), one broadcast per bucket from
-                            rank 0, or one per sender and bucket, each on its *lane* (wire/collective.py,
-                            wire/pieces.py); send/send_watch.py waits for the sends without hanging on a dead receiver
+                            receiver marked it is about to receive (wire/collective.py), one broadcast per bucket
+                            from rank 0, or one per sender and bucket, each on its *lane* (wire/collective.py,
+                            wire/pieces.py), the first buckets cast during that wait (send/piece_send.py prepare);
+                            send/send_watch.py waits for the sends without hanging on a dead receiver
         ipc                 the buckets laid out in a buffer shared with inference (wire/shared_buffer.py), offered
                             with its handle; DELIVERED frees it for the next version
     orchestrator (orchestrator/weight_loads.py, outside this package: it moves no tensor): pauses vLLM and drives vLLM's

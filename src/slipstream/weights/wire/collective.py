@@ -9,7 +9,9 @@ and both sides build a fresh group under its prefix, on the same store.
 Before each version's broadcasts the senders wait until every receiver said, on the store, that it is about to post
 its receives (`mark_posted`, `receivers_posted`): an NCCL send completes only with its receive, so a broadcast started
 while vLLM's workers are still on their way to /update_weights (the API server's loop can be 100-300 ms late) holds
-the link idle, and the trainer's timing of the send would count that wait as transfer.
+the link idle, and the trainer's timing of the send would count that wait as transfer. (A receiver that marked only
+after queuing its first receive hung the first version on 2 x H200: NCCL connects a group's peers at its first
+broadcast, from inside the call, so the receiver's host waited there for a sender that waited for its mark.)
 """
 
 import datetime
