@@ -6,6 +6,11 @@ The two [C, V] passes (`logit_stats`, `logits_grad`) are plain torch, the refere
 torch.compile, where Inductor fuses the upcast, temperature, softmax and reductions so that only the logits (and
 their gradient) exist in the compute dtype, never a float32 [C, V] tensor.
 
+On the CPU, with float32 logits (`_CpuLMHead`), the softmax runs over blocks of `CPU_BLOCK_ROWS` rows that stay in
+the cache, in place in the logits, and the probabilities are kept for backward instead of recomputing the logits:
+one matmul of four saved and every [C, V] pass but one in cache. That costs C x V x 4 bytes until backward, so
+`chunked_lm_head_logprobs` takes this path only for micro-batches within `CPU_SAVED_PROBS_BYTES`.
+
 Legend: C = tokens of a chunk, D = hidden size, V = vocabulary.
 """
 
@@ -73,6 +78,68 @@ class _FusedLMHead(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
+CPU_SAVED_PROBS_BYTES = 1 << 30
+"""Largest [N, V] float32 probabilities a CPU micro-batch keeps for backward (`_CpuLMHead`): 1 GiB is 5,461 loss
+tokens of a 49,152-token vocabulary. Beyond it the head recomputes its logits in backward, chunk by chunk."""
+
+CPU_BLOCK_ROWS = 32
+"""Rows of the CPU softmax's blocks: 32 x a 49,152-token vocabulary in float32 is 6 MiB, within a CPU's L3 cache."""
+
+
+def _softmax_in_place(
+    logits_CV: Tensor,
+    token_ids_C: Tensor,
+    temperatures_C: Tensor,
+    logprobs_C: Tensor,
+    entropy_C: Tensor,
+    exp_RV: Tensor,
+) -> None:
+    """Turn float32 logits into softmax(logits / temperature) in place, block by block, writing each row's log-prob of
+    its token and its entropy."""
+    for start in range(0, logits_CV.shape[0], CPU_BLOCK_ROWS):
+        rows = slice(start, start + CPU_BLOCK_ROWS)
+        logp_RV = logits_CV[rows].div_(temperatures_C[rows].unsqueeze(-1))
+        logp_RV.sub_(torch.logsumexp(logp_RV, dim=-1, keepdim=True))
+        logprobs_C[rows] = logp_RV.gather(-1, token_ids_C[rows].unsqueeze(-1)).squeeze(-1)
+        p_RV = torch.exp(logp_RV, out=exp_RV[: logp_RV.shape[0]])
+        entropy_C[rows] = -torch.bmm(p_RV.unsqueeze(1), logp_RV.unsqueeze(2)).view(-1)
+        logp_RV.copy_(p_RV)
+
+
+class _CpuLMHead(torch.autograd.Function):
+    """The fused head on the CPU for float32 logits: the [C, V] logits computed once, turned into probabilities block by
+    block in place, kept for backward, where they become the logits' gradient in place."""
+
+    @staticmethod
+    def forward(ctx, hidden_CD, weight_VD, bias_V, token_ids_C, temperatures_C, compute_dtype):
+        probs_CV = _logits(hidden_CD, weight_VD, bias_V, compute_dtype, torch.float32)
+        logprobs_C = torch.empty(probs_CV.shape[0], dtype=torch.float32)
+        entropy_C = torch.empty_like(logprobs_C)
+        exp_RV = torch.empty(min(CPU_BLOCK_ROWS, probs_CV.shape[0]), probs_CV.shape[1])
+        with torch.autocast("cpu", enabled=False):
+            _softmax_in_place(probs_CV, token_ids_C, temperatures_C, logprobs_C, entropy_C, exp_RV)
+        ctx.save_for_backward(hidden_CD, weight_VD, bias_V, token_ids_C, temperatures_C)
+        ctx.probs_CV, ctx.compute_dtype = probs_CV, compute_dtype
+        ctx.mark_non_differentiable(entropy_C)  # entropy is logged, never trained on
+        return logprobs_C, entropy_C
+
+    @staticmethod
+    def backward(ctx, grad_logprobs_C, _grad_entropy_C):
+        hidden_CD, weight_VD, bias_V, token_ids_C, temperatures_C = ctx.saved_tensors
+        if ctx.probs_CV is None:
+            raise RuntimeError("the CPU LM head's saved probabilities are used up: backward runs once per forward")
+        # grad_logits = grad_logprobs * (onehot(token) - softmax(z)) / temperature, in the probabilities' storage
+        scale_C = grad_logprobs_C / temperatures_C
+        grad_CV, ctx.probs_CV = ctx.probs_CV.mul_(-scale_C.unsqueeze(-1)), None
+        grad_CV[torch.arange(grad_CV.shape[0]), token_ids_C] += scale_C
+        dtype = ctx.compute_dtype
+        grad_c = grad_CV.to(dtype)  # float32 logits (head_dtype): the two matmuls still run in the compute dtype
+        grad_hidden = (grad_c @ weight_VD.to(dtype)).to(hidden_CD.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = (grad_c.T @ hidden_CD.to(dtype)).to(weight_VD.dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = grad_c.sum(0).to(bias_V.dtype) if bias_V is not None and ctx.needs_input_grad[2] else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
 def _logits(
     hidden_CD: Tensor, weight_VD: Tensor, bias_V: Tensor | None, dtype: torch.dtype, logits_dtype: torch.dtype
 ) -> Tensor:
@@ -96,13 +163,15 @@ def lm_head_logprobs(
     token_ids_C: Tensor,
     temperatures_C: Tensor,
     head_dtype: torch.dtype | None = None,
+    keep_probs: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(logprobs_C, entropy_C), float32, of token_ids_C under softmax((hidden @ W^T + b) / temperature).
 
     The matmul runs in the autocast dtype when autocast is on (as inference computes its logits), else in the
     inputs' dtype; its output (the logits) is in that dtype too unless `head_dtype` is wider (model.head_dtype =
     "float32": operands rounded to the compute dtype, product kept in float32, as vLLM's float32 head). The softmax is
-    float32. Gradients flow to hidden, W and b through logprobs_C only.
+    float32. Gradients flow to hidden, W and b through logprobs_C only. `keep_probs` (CPU, float32 logits): keep
+    the [C, V] probabilities for backward (`_CpuLMHead`) rather than recompute the logits there.
     """
     device_type = hidden_CD.device.type
     if torch.is_autocast_enabled(device_type):
@@ -110,4 +179,6 @@ def lm_head_logprobs(
     else:
         compute_dtype = torch.promote_types(hidden_CD.dtype, weight_VD.dtype)
     logits_dtype = compute_dtype if head_dtype is None else torch.promote_types(compute_dtype, head_dtype)
+    if keep_probs and device_type == "cpu" and logits_dtype == torch.float32:
+        return _CpuLMHead.apply(hidden_CD, weight_VD, bias_V, token_ids_C, temperatures_C, compute_dtype)
     return _FusedLMHead.apply(hidden_CD, weight_VD, bias_V, token_ids_C, temperatures_C, compute_dtype, logits_dtype)

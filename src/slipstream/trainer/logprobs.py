@@ -27,7 +27,7 @@ from slipstream.trainer.data import (
     padded_position_ids,
     unpack,
 )
-from slipstream.trainer.lm_head import lm_head_logprobs
+from slipstream.trainer.lm_head import CPU_SAVED_PROBS_BYTES, lm_head_logprobs
 from slipstream.trainer.row_layout import use_padded_rows
 
 if TYPE_CHECKING:
@@ -306,16 +306,24 @@ def chunked_lm_head_logprobs(
 ) -> tuple[Tensor, Tensor]:
     """Log-probs of token_ids_N and entropies (float32) under softmax((hidden_ND @ W^T + b) / temperature),
     chunk by chunk through the fused head (trainer/lm_head.py): no [N, V] tensor is ever materialised, forward or
-    backward (each chunk's logits are recomputed in backward)."""
+    backward (each chunk's logits are recomputed in backward). On the CPU, float32 logits of N tokens within
+    CPU_SAVED_PROBS_BYTES keep their probabilities for backward instead (nothing recomputed)."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0 (got {chunk_size})")
+    keep_probs = hidden_ND.shape[0] * head_weight_VD.shape[0] * 4 <= CPU_SAVED_PROBS_BYTES
     logprobs, entropies = [], []
     # With no tokens, one empty chunk still runs: every rank's head parameters then get a (zero) gradient, which
     # FSDP's collectives need.
     for start in range(0, max(hidden_ND.shape[0], 1), chunk_size):
         chunk = slice(start, start + chunk_size)
         lp_C, ent_C = lm_head_logprobs(
-            hidden_ND[chunk], head_weight_VD, head_bias_V, token_ids_N[chunk], temperatures_N[chunk], head_dtype
+            hidden_ND[chunk],
+            head_weight_VD,
+            head_bias_V,
+            token_ids_N[chunk],
+            temperatures_N[chunk],
+            head_dtype,
+            keep_probs,
         )
         logprobs.append(lp_C)
         entropies.append(ent_C)
