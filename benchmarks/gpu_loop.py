@@ -19,7 +19,10 @@ Per run it prints the medians over the steps after the first two (warm-up: CUDA 
 - `update_ms`: the whole update seen by the orchestrator (calibration, pause, load, probe check);
 - `send_gbps`: the trainer's weight send (bytes over `weights/send_s`, which leaves out `accept_wait_s`, the time the
   trainer waited for the orchestrator to take the version, and `receiver_wait_ms`, the wait for vLLM's workers to be
-  about to receive); `wire_gbps`: over the sends alone (`weights/wire_s`);
+  about to receive); `wire_gbps`: over the sends alone (`weights/wire_s`), and per update (`wire_gbps_each`, with
+  `receiver_wait_ms_each`); `receives_ms`: each version as vLLM's worker received it, from its log (`seconds`, its
+  set-up before the mark `marked_s`, and `host_s`, from the mark until its host had queued the last loads: close to
+  the receive's time after the mark when the worker's host sets the pace);
 - with `--no-stall` the pause is the swap alone (`pause_phases_ms`' `swap`: the server's handled time of
   /finish_weight_update, which includes the wait for the engine step in progress, generating), and `stage` the
   transfer vLLM generated through; `engine_swap_ms` is the engine's own swap (median, max and count over every staged
@@ -42,6 +45,7 @@ its full length with `min_tokens`) and their ratio. Records go to OUT/<name>.jso
 """
 
 import argparse
+import ast
 import asyncio
 import json
 import os
@@ -200,6 +204,27 @@ def engine_swaps(run: Path) -> dict | None:
     return {"median": statistics.median(values), "max": max(values), "n": len(values)}
 
 
+RECEIVE_LINE = re.compile(r"slipstream weight transfer: (?:staged )?(\{.*\})\s*$", re.MULTILINE)
+"""The worker's log line for a version received (weights/receive/engine.py: the ReceiveStats of weights/receive/
+receiver.py, a dict's repr)."""
+
+
+def receives(run: Path) -> list[dict]:
+    """Each broadcast version the run's vLLM workers received, in log order: step, `seconds` (the whole receive, the
+    GPU's wait included), `marked_s` (the worker's set-up before its mark) and `host_s` (from the mark until its host
+    had queued the last bucket's loads), in ms."""
+    found = []
+    for log in sorted((run / "logs").glob("inference*.log")):
+        for m in RECEIVE_LINE.finditer(log.read_text(errors="replace")):
+            try:
+                stats = ast.literal_eval(m.group(1))
+            except (ValueError, SyntaxError):
+                continue
+            if isinstance(stats, dict) and "host_s" in stats:
+                found.append({"step": stats["step"]} | {k: stats[k] * 1e3 for k in ("seconds", "marked_s", "host_s")})
+    return found
+
+
 def summarize(run: Path, wall: float) -> dict:
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steady = metrics[2:] or metrics
@@ -226,6 +251,9 @@ def summarize(run: Path, wall: float) -> dict:
         "send_s": _median(steady, "weights/send_s"),
         "send_gbps": _median(steady, "weights/send_gbps"),
         "wire_gbps": _median(steady, "weights/wire_gbps"),
+        "wire_gbps_each": [m.get("weights/wire_gbps") for m in steady if "weights/wire_gbps" in m],
+        "receiver_wait_ms_each": [m["weights/receiver_wait_s"] * 1e3 for m in steady if "weights/receiver_wait_s" in m],
+        "receives_ms": receives(run),
         "accept_wait_s": _median(steady, "weights/accept_wait_s"),
         "receiver_wait_ms": _median(steady, "weights/receiver_wait_s", 1e3),
         "pause_phases_ms": {k.split("/")[-1][:-2]: _median(per_update, k, 1e3) for k in phases},

@@ -53,6 +53,25 @@ def test_a_run_without_staged_versions_has_no_engine_swap(tmp_path):
     assert load_benchmark("gpu_loop").summarize(tmp_path, wall=10.0)["engine_swap_ms"] is None
 
 
+def test_each_received_version_comes_from_the_workers_log_with_its_host_time(tmp_path):
+    from slipstream.weights.receive.receiver import ReceiveStats
+
+    def line(stats: ReceiveStats, staged: str = "") -> str:  # as weights/receive/engine.py logs it
+        return f"(EngineCore pid=42) INFO [vllm] slipstream weight transfer: {staged}{stats.to_dict()}"
+
+    lines = [
+        line(ReceiveStats(0, 3, 10, 0.5, "/models/x")),  # the initial weights: no mark, no host time
+        line(ReceiveStats(3, 3, 10, 0.0042, "broadcast", host_s=0.0011, marked_s=0.0003)),
+        line(ReceiveStats(4, 3, 10, 0.0090, "broadcast", host_s=0.0085, marked_s=0.0002), staged="staged "),
+    ]
+    _write_run(tmp_path, lines)
+    summary = load_benchmark("gpu_loop").summarize(tmp_path, wall=10.0)
+    assert summary["receives_ms"] == [
+        {"step": 3, "seconds": pytest.approx(4.2), "marked_s": pytest.approx(0.3), "host_s": pytest.approx(1.1)},
+        {"step": 4, "seconds": pytest.approx(9.0), "marked_s": pytest.approx(0.2), "host_s": pytest.approx(8.5)},
+    ]
+
+
 @pytest.mark.parametrize(
     "argv",
     [

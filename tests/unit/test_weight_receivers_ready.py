@@ -1,7 +1,8 @@
 """The senders of a version wait until every receiver is about to post its receives (weights/wire/collective.py:
 `mark_posted`), and count that wait apart from the transfer: a receiver that comes late (vLLM's workers reach
 /update_weights after the API server's loop, 100-300 ms late on GPUs) shows in `weights/receiver_wait_s`, not in
-`weights/wire_s`, and what arrives is unchanged. Gloo on CPU, the receiver in a thread."""
+`weights/wire_s`, and what arrives is unchanged. The receiver's own stats split its time at the mark: a slow loader
+shows in `host_s`. Gloo on CPU, the receiver in a thread."""
 
 import threading
 import time
@@ -18,6 +19,8 @@ from tests.e2e.helpers import free_port
 from tests.unit.weight_receiver_proc import gloo_trainer_config, wait_for
 
 LATE_S = 1.0
+LOAD_S = 0.05
+"""The second version's loader sleeps this long per bucket."""
 
 
 @pytest.mark.timeout(300)
@@ -29,6 +32,14 @@ def test_a_late_receiver_is_waited_for_outside_the_transfer_time(tiny_qwen3_dir,
     receiver = WeightReceiver(torch.device("cpu"))
     results: dict[int, dict] = {}
     got: dict[int, dict[str, torch.Tensor]] = {1: {}, 2: {}}
+    stats, loads = {}, []
+
+    def load(step: int, pairs) -> None:
+        got[step].update({n: t.clone() for n, t in pairs})
+        if step == 2:
+            loads.append(len(pairs))
+            time.sleep(LOAD_S)
+
     try:
         for step, late_s in ((1, LATE_S), (2, 0.0)):
             thread = threading.Thread(target=lambda s=step: results.update({s: publisher.publish(s)}))
@@ -39,7 +50,7 @@ def test_a_late_receiver_is_waited_for_outside_the_transfer_time(tiny_qwen3_dir,
                 receiver.join(GroupInit("gloo", "127.0.0.1", port, "session-1", 2, timeout_s=60))
             time.sleep(late_s)  # the sender has joined and waits; without the marks it would be sending already
             info = {"step": step, "manifest": read_manifest(config.output_dir, step)}
-            receiver.receive(info, lambda pairs, s=step: got[s].update({n: t.clone() for n, t in pairs}))
+            stats[step] = receiver.receive(info, lambda pairs, s=step: load(s, pairs))
             thread.join(timeout=60)
             assert not thread.is_alive()
     finally:
@@ -52,3 +63,7 @@ def test_a_late_receiver_is_waited_for_outside_the_transfer_time(tiny_qwen3_dir,
     assert second["weights/receiver_wait_s"] < 0.5 * LATE_S, second
     assert len(got[1]) > 5 and got[1].keys() == got[2].keys()
     assert all(torch.equal(got[1][k], got[2][k]) for k in got[1])  # no training in between: the same version
+    slow = stats[2].to_dict()
+    assert len(loads) > 1 and slow["host_s"] >= LOAD_S * len(loads), slow
+    assert slow["marked_s"] + slow["host_s"] <= slow["seconds"] + 1e-3, slow
+    assert stats[1].host_s < LOAD_S * len(loads), stats[1]

@@ -35,6 +35,13 @@ class ReceiveStats:
     """Every tensor of the version (what the loader must have been handed)."""
     delta: DeltaStats | None = None
     """A delta-encoded broadcast: what it carried."""
+    host_s: float | None = None
+    """A broadcast: seconds from the receiver's mark (it is about to post its receives, weights/wire/collective.py)
+    until its host had queued the loads of the last bucket. On CUDA the receives and loads run on after that, so
+    `seconds` adds the wait for the GPU: host_s close to the time after the mark says the receiver's host (Python,
+    vLLM's loader) set the pace, a short host_s that the wire or the GPU did."""
+    marked_s: float | None = None
+    """A broadcast: seconds from the start of `receive` to the receiver's mark (its own set-up before it receives)."""
 
     def to_dict(self) -> dict:
         data = {
@@ -44,6 +51,8 @@ class ReceiveStats:
             "seconds": round(self.seconds, 4),
             "source": self.source,
         }
+        if self.host_s is not None and self.marked_s is not None:
+            data |= {"marked_s": round(self.marked_s, 4), "host_s": round(self.host_s, 4)}
         if self.delta is not None:
             data["delta"] = self.delta.to_dict()
         return data
@@ -90,7 +99,7 @@ class WeightReceiver:
         one. `buffers`: where a plain broadcast lands instead of the receiver's own two reused ones (staging keeps
         a buffer per bucket, weights/receive/staging.py)."""
         start = time.perf_counter()
-        delta = None
+        delta = marked_s = host_s = None
         step = update_info.get("step") if isinstance(update_info, dict) else None
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"update_info must be an object with an integer 'step' >= 0 (got {update_info!r:.200})")
@@ -119,6 +128,7 @@ class WeightReceiver:
                     )
                 assert self.store is not None and self.init is not None  # set with the group by join
                 mark_posted(self.store, self.init.session, step)  # the senders start once every receiver is here
+                marked = time.perf_counter()
                 if manifest.delta:
                     delta = DeltaStats()
                     for pairs in receive_delta(self.group, manifest, self.mirror, delta):
@@ -127,6 +137,7 @@ class WeightReceiver:
                     into = buffers if buffers is not None else self.buffers
                     for pairs in receive_buckets(self.group, manifest, self.device, into, direct):
                         load(pairs)
+                marked_s, host_s = marked - start, time.perf_counter() - marked
                 source = "broadcast"
             names, num_bytes = {t.name for b in manifest.buckets for t in b.tensors}, manifest.nbytes
         else:
@@ -134,7 +145,7 @@ class WeightReceiver:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
-        return ReceiveStats(step, len(names), num_bytes, seconds, source, frozenset(names), delta)
+        return ReceiveStats(step, len(names), num_bytes, seconds, source, frozenset(names), delta, host_s, marked_s)
 
     def shutdown(self) -> None:
         self.buffers.release()
