@@ -212,7 +212,7 @@ receiver.py, a dict's repr)."""
 def receives(run: Path) -> list[dict]:
     """Each broadcast version the run's vLLM workers received, in log order: step, `seconds` (the whole receive, the
     GPU's wait included), `marked_s` (the worker's set-up before its mark) and `host_s` (from the mark until its host
-    had queued the last bucket's loads), in ms."""
+    had queued the last bucket's loads; `load_s`, the part of it in the loader's calls), in ms."""
     found = []
     for log in sorted((run / "logs").glob("inference*.log")):
         for m in RECEIVE_LINE.finditer(log.read_text(errors="replace")):
@@ -221,7 +221,8 @@ def receives(run: Path) -> list[dict]:
             except (ValueError, SyntaxError):
                 continue
             if isinstance(stats, dict) and "host_s" in stats:
-                found.append({"step": stats["step"]} | {k: stats[k] * 1e3 for k in ("seconds", "marked_s", "host_s")})
+                keys = [k for k in ("seconds", "marked_s", "host_s", "load_s") if k in stats]
+                found.append({"step": stats["step"]} | {k: stats[k] * 1e3 for k in keys})
     return found
 
 

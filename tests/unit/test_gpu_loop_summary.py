@@ -62,13 +62,19 @@ def test_each_received_version_comes_from_the_workers_log_with_its_host_time(tmp
     lines = [
         line(ReceiveStats(0, 3, 10, 0.5, "/models/x")),  # the initial weights: no mark, no host time
         line(ReceiveStats(3, 3, 10, 0.0042, "broadcast", host_s=0.0011, marked_s=0.0003)),
-        line(ReceiveStats(4, 3, 10, 0.0090, "broadcast", host_s=0.0085, marked_s=0.0002), staged="staged "),
+        line(ReceiveStats(4, 3, 10, 0.0090, "broadcast", host_s=0.0085, marked_s=0.0002, load_s=0.006), "staged "),
     ]
     _write_run(tmp_path, lines)
     summary = load_benchmark("gpu_loop").summarize(tmp_path, wall=10.0)
     assert summary["receives_ms"] == [
         {"step": 3, "seconds": pytest.approx(4.2), "marked_s": pytest.approx(0.3), "host_s": pytest.approx(1.1)},
-        {"step": 4, "seconds": pytest.approx(9.0), "marked_s": pytest.approx(0.2), "host_s": pytest.approx(8.5)},
+        {
+            "step": 4,
+            "seconds": pytest.approx(9.0),
+            "marked_s": pytest.approx(0.2),
+            "host_s": pytest.approx(8.5),
+            "load_s": pytest.approx(6.0),
+        },
     ]
 
 

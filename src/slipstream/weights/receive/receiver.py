@@ -42,6 +42,9 @@ class ReceiveStats:
     vLLM's loader) set the pace, a short host_s that the wire or the GPU did."""
     marked_s: float | None = None
     """A broadcast: seconds from the start of `receive` to the receiver's mark (its own set-up before it receives)."""
+    load_s: float | None = None
+    """A broadcast: the part of host_s spent in the loader's calls (queuing each bucket's loads into the model); the
+    rest is the receives' own host work (posting them, waiting for free buffers)."""
 
     def to_dict(self) -> dict:
         data = {
@@ -53,6 +56,8 @@ class ReceiveStats:
         }
         if self.host_s is not None and self.marked_s is not None:
             data |= {"marked_s": round(self.marked_s, 4), "host_s": round(self.host_s, 4)}
+        if self.load_s is not None:
+            data["load_s"] = round(self.load_s, 4)
         if self.delta is not None:
             data["delta"] = self.delta.to_dict()
         return data
@@ -100,6 +105,7 @@ class WeightReceiver:
         a buffer per bucket, weights/receive/staging.py)."""
         start = time.perf_counter()
         delta = marked_s = host_s = None
+        load_s = 0.0
         step = update_info.get("step") if isinstance(update_info, dict) else None
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"update_info must be an object with an integer 'step' >= 0 (got {update_info!r:.200})")
@@ -131,12 +137,14 @@ class WeightReceiver:
                 marked = time.perf_counter()
                 if manifest.delta:
                     delta = DeltaStats()
-                    for pairs in receive_delta(self.group, manifest, self.mirror, delta):
-                        load(pairs)
+                    buckets = receive_delta(self.group, manifest, self.mirror, delta)
                 else:
                     into = buffers if buffers is not None else self.buffers
-                    for pairs in receive_buckets(self.group, manifest, self.device, into, direct):
-                        load(pairs)
+                    buckets = receive_buckets(self.group, manifest, self.device, into, direct)
+                for pairs in buckets:
+                    loading = time.perf_counter()
+                    load(pairs)
+                    load_s += time.perf_counter() - loading
                 marked_s, host_s = marked - start, time.perf_counter() - marked
                 source = "broadcast"
             names, num_bytes = {t.name for b in manifest.buckets for t in b.tensors}, manifest.nbytes
@@ -145,7 +153,18 @@ class WeightReceiver:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
-        return ReceiveStats(step, len(names), num_bytes, seconds, source, frozenset(names), delta, host_s, marked_s)
+        return ReceiveStats(
+            step,
+            len(names),
+            num_bytes,
+            seconds,
+            source,
+            frozenset(names),
+            delta,
+            host_s,
+            marked_s,
+            load_s if host_s is not None else None,
+        )
 
     def shutdown(self) -> None:
         self.buffers.release()
