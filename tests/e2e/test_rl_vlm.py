@@ -84,13 +84,14 @@ def test_tiny_qwen3_vl_trains_on_count_shapes_through_the_stand_in(trained_encod
         assert m["mismatch_kl"] < 1e-3, m  # trainer vs stand-in (both bfloat16) on the trained tokens
     if trained_encoder:  # multi-turn rollouts with the picture in every turn trained
         assert max(m["rollout/num_turns_max"] for m in metrics) == 2, metrics
-    checks = [json.loads(line) for line in (out / "weight_checks.jsonl").read_text().splitlines()]
-    checks = [c for c in checks if c["kind"] == "update"]  # not the calibration
-    assert [c["step"] for c in checks] == [1, 2, 3], checks
+    records = [json.loads(line) for line in (out / "weight_checks.jsonl").read_text().splitlines()]
+    (floor,) = [c["max_abs_diff"] for c in records if c["kind"] == "calibration"]
+    checks = [c for c in records if c["kind"] == "update"]
+    assert [c["step"] for c in checks] == [1, 2, 3] and floor <= BF16_BOUND, records
     for check in checks:
-        # judged against the floor measured before the first load (max(5e-2, 3 x floor)): on this CPU the
-        # trained-encoder run's probe gap reaches 0.0506 against a floor of 0.033
-        assert check["passed"] and check["max_abs_diff"] <= check["allowed"] <= max(BF16_BOUND, 0.15), check
+        # judged against the floor measured before the first load, raised by loads that passed up to 4x
+        # (max(5e-2, 3 x floor)): on this CPU the trained-encoder run's probe gap reaches 0.0506 against a floor of 0.033
+        assert check["passed"] and check["max_abs_diff"] <= check["allowed"] <= max(BF16_BOUND, 12 * floor), check
 
     _check_published_names(model_dir, out / "weights" / "step_3", trained_encoder)
     if not trained_encoder:

@@ -230,6 +230,7 @@ def test_lora_adapters_load_into_vllm_on_gpu(tiny_model_factory, tmp_path):
     out = tmp_path / "run"
     config = _config(tiny_model_factory("qwen3"), out, 3)
     config["model"]["lora"] = {"rank": 8, "alpha": 16.0, "name": "tiny-lora"}
+    config["model"]["dtype"] = "bfloat16"  # vLLM's GPU LoRA kernels: float16/bfloat16 only
     config["trainer"]["optim"]["lr"] = float(os.environ.get("SLIPSTREAM_GPU_LORA_LR", "2e-2"))
     config["weights"]["keep_weights"] = 3  # every version's probe.json stays, for the report below
     proc = _run(config, tmp_path)

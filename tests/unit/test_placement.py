@@ -163,11 +163,25 @@ def test_detect_visible_gpus_reads_cuda_visible_devices():
         ),
         ({"weights": {"transport": "nccl"}}, [], r"'nccl' needs GPUs, but the trainer runs on CPU here"),
         ({"trainer": {"device": "cuda"}}, [], r"trainer.device = 'cuda', but the trainer gets no GPU"),
+        ({"model": {"name": "m", "lora": {"rank": 8}}}, [0, 1], r"model.lora with model.dtype = 'float32' cannot run"),
     ],
 )
 def test_impossible_splits_say_what_to_change(sections, visible, message):
     with pytest.raises(PlacementError, match=message):
         resolve_config(rl(**sections), visible)
+
+
+def test_lora_in_float32_runs_on_cpu_and_in_bfloat16_on_gpus():
+    """vLLM's GPU LoRA kernels refuse float32; its CPU build and bfloat16 on GPUs take the adapter."""
+    assert place(rl(model={"name": "m", "lora": {"rank": 8}}), []).inference_gpus == ()
+    lora_bf16 = rl(model={"name": "m", "dtype": "bfloat16", "lora": {"rank": 8}})
+    assert place(lora_bf16, [0, 1]).inference_gpus == (0,)
+    trainer_only = rl(
+        model={"name": "m", "lora": {"rank": 8}},
+        deployment={"run": ["trainer", "orchestrator"]},
+        weights={"transport": "filesystem"},
+    )
+    assert place(trainer_only, [0, 1]).trainer_gpus == (0, 1)  # vLLM elsewhere: its dtype is its own node's check
 
 
 def test_tensor_parallel_must_divide_the_attention_heads(tmp_path):

@@ -1,6 +1,7 @@
 """The calibrated weight check (orchestrator/weight_check.py) against an inference stand-in whose log-probs are set per
-version: the floor is measured on identical weights before the first load, loads are judged against it, a load that
-left the old policy in place is caught even when it hides in the noise, and a floor too high stops the run."""
+version: the floor is measured on identical weights before the first load (and again before later ones, keeping the
+largest), loads are judged against it, a load that left the old policy in place is caught even when it hides in the
+noise, and a floor too high stops the run."""
 
 import asyncio
 import json
@@ -71,7 +72,7 @@ def test_the_floor_is_measured_before_the_first_load_and_loads_are_judged_agains
     floor = asyncio.run(checker.maybe_calibrate(1, served_version=0))
     assert floor is not None and floor.step == 0 and 0.05 < floor.max_abs_diff <= 0.1
     assert checker.allowed() == pytest.approx(3 * floor.max_abs_diff)
-    assert asyncio.run(checker.maybe_calibrate(1, served_version=0)) is floor and engine.calls == 1  # once a run
+    assert asyncio.run(checker.maybe_calibrate(1, served_version=0)) is floor and engine.calls == 1  # once a version
     engine.logprobs = v1 + _noise(3, 0.1)  # the load took effect: noise as large as the floor's
     check = asyncio.run(checker.verify(1, previous_version=0))
     assert check["passed"] and not check["frozen"] and check["max_abs_diff"] > BF16_TOLERANCE
@@ -142,3 +143,42 @@ def test_no_calibration_without_the_served_versions_logprobs_and_a_fixed_bound_s
         _checker(tmp_path, Engine(v2)).verify(2, previous_version=0)
     )  # no previous of v0: no frozen test
     assert check["passed"] and "moved_mean" not in check
+
+
+def test_loads_that_pass_raise_the_floor_within_max_floor_rise(tmp_path):
+    """The gap grows as the policy trains (SmolLM2 in float32 on an H200: 2-4x over 50 steps; a floor fixed at the
+    start stopped healthy runs). Each passed load is a measurement on identical weights: the floor follows them, up to
+    max_floor_rise x the starting floor, so a divergence that keeps growing still fails."""
+    versions = [_policy(0) + 0.5 * k for k in range(7)]  # each version moves every token by 0.5
+    engine = Engine(versions[0] + _noise(1, 0.01))
+    _publish(tmp_path, 1, versions[1], (0, versions[0]))
+    checker = _checker(tmp_path, engine)  # floor_factor 3, max_floor_rise 4
+    start = asyncio.run(checker.maybe_calibrate(1, served_version=0))
+    assert start is not None and 0.008 < start.max_abs_diff <= 0.01
+
+    def load(version: int, noise: float, seed: int, served: int | None = None) -> dict:
+        _publish(tmp_path, version, versions[version], (version - 1, versions[version - 1]))
+        engine.logprobs = versions[version if served is None else served] + _noise(seed, noise)
+        return asyncio.run(checker.verify(version, previous_version=version - 1))
+
+    one = load(1, 0.025, 2)  # within 3x the starting floor: passes and raises the floor to its difference
+    assert one["passed"] and one["raised_floor"] and one["floor_max"] == start.max_abs_diff
+    assert checker.floor.max_abs_diff == one["max_abs_diff"] and checker.floor.step == 1
+    two = load(2, 0.06, 3)  # over 3x the starting floor, within 3x the raised one; the floor rises to its cap
+    assert two["max_abs_diff"] > 3 * start.max_abs_diff and two["passed"] and two["raised_floor"]
+    assert checker.floor.max_abs_diff == pytest.approx(4 * start.max_abs_diff)
+    assert checker.floor.max_abs_diff < two["max_abs_diff"]
+    three = load(3, 0.11, 4)  # within 3x the capped floor: passes, and the floor stays at its cap
+    assert three["passed"] and not three["raised_floor"] and three["allowed"] == pytest.approx(12 * start.max_abs_diff)
+    four = load(4, 0.2, 5)  # a divergence past the cap fails, and a failed load never raises the floor
+    assert not four["passed"] and not four["raised_floor"]
+    assert checker.floor.max_abs_diff == pytest.approx(4 * start.max_abs_diff)
+    five = load(5, 0.01, 6, served=4)  # still version 4 served: frozen, even with the floor raised
+    assert five["frozen"] and not five["passed"]
+    assert [r["kind"] for r in _records(tmp_path)] == ["calibration"] + ["update"] * 5
+
+    fixed = _checker(tmp_path, Engine(versions[0] + _noise(1, 0.01)), max_floor_rise=1.0)
+    asyncio.run(fixed.maybe_calibrate(1, served_version=0))
+    fixed.client.admin_clients[0].logprobs = versions[1] + _noise(2, 0.025)
+    assert not asyncio.run(fixed.verify(1, previous_version=0))["raised_floor"]
+    assert fixed.floor == fixed.start_floor

@@ -87,6 +87,15 @@ class WeightCheckConfig(BaseConfig):
     difference on identical weights is the noise floor later loads are judged against (full-model updates; LoRA
     adapters keep the dtype's tolerance)."""
 
+    max_floor_rise: float = Field(4.0, ge=1.0)
+    """After the starting weights' floor, every load that passes is one more measurement on identical weights (it then
+    serves the trainer's weights): the floor follows the largest difference of these, up to this many times the
+    starting floor. The gap grows as the policy trains (SmolLM2-135M in float32 on an H200: 0.004-0.013 over the first
+    loads, up to 0.039 by step 32), and one measurement of a short probe is noisy (0.0054 on one run's starting
+    weights): a floor fixed at the start stopped 2 of 15 healthy runs within 30 steps, one fixed after 8 loads 1 of 6
+    at step 32, while one that rose without bound would follow a steadily growing divergence instead of catching it.
+    1: the starting weights' floor only."""
+
     floor_factor: float = Field(3.0, ge=1.0)
     """Loads may differ by this many times the floor's max; and a load counts as not taken when the trainer's policy
     moved by more than this many times the floor's mean while inference stayed closer to the previous version."""

@@ -102,6 +102,12 @@ def place(config: RLConfig, visible: Sequence[int], num_attention_heads: int | N
         )
     inference_gpus, trainer_gpus = (list(gpus), list(gpus)) if colocated else split_gpus(deployment, gpus)
     here = set(deployment.run)
+    if inference_gpus and "inference" in here and config.model.lora is not None and config.model.dtype == "float32":
+        raise PlacementError(
+            "model.lora with model.dtype = 'float32' cannot run on vLLM's GPUs: its LoRA kernels take float16 and "
+            "bfloat16 only (vLLM asserts it at start); set model.dtype = 'bfloat16', or fine-tune the whole model "
+            "(drop [model.lora])"
+        )
     tp, dp = inference_sizes(config.inference, inference_gpus, num_attention_heads if "inference" in here else None)
     procs = trainer_procs(config, trainer_gpus)
     return Placement(

@@ -4,9 +4,11 @@ is scored on inference and compared, so a failed or partial weight update is cau
 Calibrated against the noise floor: trainer and inference never agree exactly (other kernels, other rounding; at
 bf16 on a large model the gap reaches tenths of a nat). Each probe also carries the trainer's log-probs of the version
 before it (`previous_logprobs`). Before the first load of a run, while inference still serves that version, they are
-scored on inference: the difference on identical weights is the floor. A load then passes if its max |diff| is at
-most `allowed` = max(the dtype's tolerance, floor_factor x the floor's max) (or exactly weight_check.max_abs_diff when
-set). Since a small update can move the probe less than the noise, the previous version's log-probs also catch a load
+scored on inference: the difference on identical weights is the floor. Every load that passes then serves the
+trainer's weights, so its difference is one more such measurement: the floor follows the largest of them, up to
+weight_check.max_floor_rise times the starting floor (the gap grows as the policy trains, and one measurement of a
+short probe is noisy; the cap keeps a steadily growing divergence from raising the floor with it). A load then passes if its max |diff| is at most `allowed` = max(the dtype's
+tolerance, floor_factor x the floor's max) (or exactly weight_check.max_abs_diff when set). Since a small update can move the probe less than the noise, the previous version's log-probs also catch a load
 that left the old policy in place: when the trainer's policy moved clearly (mean move over floor_factor x the floor's
 mean), inference must be closer to the new log-probs than to the old ones.
 
@@ -74,6 +76,8 @@ class WeightChecker:
         self.floor: Floor | None = None
         self.measured = False
         """Whether the floor was measured (once a run; a floor over max_floor is measured but not adopted)."""
+        self.start_floor: Floor | None = None
+        """The floor measured on the starting weights (the one the floor may rise from, max_floor_rise)."""
 
     def allowed(self) -> float:
         """The largest max |diff| a load may show."""
@@ -98,7 +102,7 @@ class WeightChecker:
         scored = await self._score(probe["token_ids"], previous, served_version)
         floor, self.measured = Floor(served_version, scored.max_abs_diff, scored.mean_abs_diff), True
         if floor.max_abs_diff <= cfg.max_floor:  # a floor above it would let any load pass: never adopted
-            self.floor = floor
+            self.floor = self.start_floor = floor
         record = {"kind": "calibration", **asdict(floor), "num_tokens": len(previous)}
         record |= {"allowed": self.allowed(), "worst_engine": scored.engine, "num_engines": scored.num_engines}
         # per token, as update records have them: where a later load's difference sits against the floor's
@@ -126,6 +130,7 @@ class WeightChecker:
         expected = np.asarray(probe["logprobs"], dtype=np.float64)
         scored = await self._score(probe["token_ids"], expected, version)
         check = judge(scored, expected, _previous(probe, previous_version), self)
+        check["raised_floor"] = self._take_into_floor(check, version)
         check |= {
             "kind": "update",
             "step": version,
@@ -138,6 +143,22 @@ class WeightChecker:
         }
         append_line(RunDir(self.output_dir).weight_checks_path, json.dumps(check))
         return check
+
+    def _take_into_floor(self, check: dict, version: int) -> bool:
+        """Raise the floor to a passed load's differences, within max_floor_rise of the starting floor; True if the
+        load raised it."""
+        floor, start = self.floor, self.start_floor
+        if not check["passed"] or floor is None or start is None:
+            return False
+        rise = self.config.max_floor_rise
+        new_max = min(max(floor.max_abs_diff, check["max_abs_diff"]), rise * start.max_abs_diff)
+        new_mean = min(max(floor.mean_abs_diff, check["mean_abs_diff"]), rise * start.mean_abs_diff)
+        if new_max <= floor.max_abs_diff and new_mean <= floor.mean_abs_diff:
+            return False
+        self.floor = Floor(version, new_max, new_mean)
+        if new_max > floor.max_abs_diff:
+            log.debug(f"weight check floor raised by the load of v{version}: loads may differ by {self.allowed():.3g}")
+        return True
 
     async def _score(self, token_ids: list[int], expected: np.ndarray, version: int) -> Scored:
         engines = self.client.admin_clients  # behind a router: every engine, each must have taken the update
