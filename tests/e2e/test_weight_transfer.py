@@ -68,16 +68,18 @@ def _freeze_mid_transfer(out, launcher: subprocess.Popen, deadline: float) -> in
 
 def check_redone_after_restart(out, checks: list[dict], frozen: int, stdout: str) -> None:
     """The version frozen mid-transfer was sent again and verified on the restarted server. A recovery interrupted
-    after the trainer delivered it (the new server lost too, or its reply failed: the orchestrator logs it) rightly
+    after the trainer delivered it (the new server lost too, or its reply failed, or the run's end stopped the
+    recovery and the final load found the server mid-receive and recovered again: the orchestrator logs each) rightly
     goes on to the next version the trainer offers; the message names the recovery's and the launcher's lines."""
     orchestrator_log = (out / "logs" / "orchestrator.log").read_text()
     recovery = [line for line in orchestrator_log.splitlines() if "inference" in line and "WARNING" in line]
     restarts = [line for line in stdout.splitlines() if "restart" in line or "healthy again" in line]
     after_restart = [c["step"] for c in checks if c["after_restart"]]
     lost_again = orchestrator_log.count("inference lost again while re-establishing its weights")
+    recoveries = orchestrator_log.count("WARNING [orchestrator] inference unavailable")
     why = f"after-restart checks {after_restart}, frozen {frozen}; orchestrator: {recovery}; launcher: {restarts}"
     assert after_restart and after_restart[0] >= frozen, why
-    assert after_restart == [frozen] or lost_again >= 1, why
+    assert after_restart == [frozen] or lost_again >= 1 or recoveries >= 2, why
 
 
 def test_gloo_transfer_through_vllm_survives_a_kill_mid_transfer(tiny_qwen3_dir, tmp_path, run_env):
