@@ -1,16 +1,17 @@
-"""Weight checks: after each load, the trainer's probe (the log-probs of a fixed text under the version it published)
-is scored on inference and compared, so a failed or partial weight update is caught instead of training silently.
+"""Weight checks: after each load, the trainer's probe (the log-probs of a fixed text under the version it published) is
+scored on inference and compared, so a failed or partial weight update is caught instead of training silently.
 
-Calibrated against the noise floor: trainer and inference never agree exactly (other kernels, other rounding; at
-bf16 on a large model the gap reaches tenths of a nat). Each probe also carries the trainer's log-probs of the version
-before it (`previous_logprobs`). Before the first load of a run, while inference still serves that version, they are
-scored on inference: the difference on identical weights is the floor. Every load that passes then serves the
-trainer's weights, so its difference is one more such measurement: the floor follows the largest of them, up to
-weight_check.max_floor_rise times the starting floor (the gap grows as the policy trains, and one measurement of a
-short probe is noisy; the cap keeps a steadily growing divergence from raising the floor with it). A load then passes if its max |diff| is at most `allowed` = max(the dtype's
-tolerance, floor_factor x the floor's max) (or exactly weight_check.max_abs_diff when set). Since a small update can move the probe less than the noise, the previous version's log-probs also catch a load
-that left the old policy in place: when the trainer's policy moved clearly (mean move over floor_factor x the floor's
-mean), inference must be closer to the new log-probs than to the old ones.
+Calibrated against the noise floor: trainer and inference never agree exactly (other kernels, other rounding; at bf16 on
+a large model the gap reaches tenths of a nat). Each probe also carries the trainer's log-probs of the version before it
+(`previous_logprobs`). Before the first load of a run, while inference still serves that version, they are scored on
+inference: the difference on identical weights is the floor. Every load that passes then serves the trainer's weights,
+so its difference is one more such measurement: the floor follows the largest of them, up to weight_check.max_floor_rise
+times the starting floor (the gap grows as the policy trains, and one measurement of a short probe is noisy; the cap
+keeps a steadily growing divergence from raising the floor with it). A load then passes if its max |diff| is at most
+`allowed` = max(the dtype's tolerance, floor_factor x the floor's max) (or exactly weight_check.max_abs_diff when set).
+Since a small update can move the probe less than the noise, the previous version's log-probs also catch a load that
+left the old policy in place: when the trainer's policy moved clearly (mean move over floor_factor x the floor's mean),
+inference must be closer to the new log-probs than to the old ones.
 
 weight_checks.jsonl gets a line per calibration (`"kind": "calibration"`) and per check (`"kind": "update"`), with the
 floor, the allowed difference and the margin left.
@@ -148,7 +149,7 @@ class WeightChecker:
         """Raise the floor to a passed load's differences, within max_floor_rise of the starting floor; True if the
         load raised it."""
         floor, start = self.floor, self.start_floor
-        if not check["passed"] or floor is None or start is None:
+        if not check["passed"] or floor is None or start is None:  # no floor: nothing calibrated to raise
             return False
         rise = self.config.max_floor_rise
         new_max = min(max(floor.max_abs_diff, check["max_abs_diff"]), rise * start.max_abs_diff)
