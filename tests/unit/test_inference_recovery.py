@@ -184,3 +184,39 @@ def test_a_server_that_never_comes_back_stops_with_what_was_waited_for(sim, tmp_
     message = str(error)
     assert f"{sim.url}/health" in message and "orchestrator.recovery.timeout_s" in message
     assert "launch.inference_restarts" in message
+
+
+def test_the_runs_end_lets_a_recovery_that_is_loading_finish(sim, tmp_path):
+    """stop() (the last batch is in) while a recovery loads the served weights onto the restarted server: the load
+    completes and is verified, instead of being cut off and leaving the server half-loaded for the final load."""
+    config = config_for(tmp_path, sim.url, recovery=RECOVERY)
+    messages = [{"role": "user", "content": "reverse: abc"}]
+
+    async def main():
+        async with InferenceClient(config.inference_url, config.model.name, config.request_timeout_s) as client:
+            await client.wait_healthy(10)
+            relay = WeightRelay(client, config)
+            publish(config.output_dir, 1)
+            await relay.update(1)
+            loading, load = asyncio.Event(), relay.loader.load
+
+            async def slow_load(version, **kwargs):
+                loading.set()
+                await asyncio.sleep(0.5)  # the run's end comes in the middle of it
+                return await load(version, **kwargs)
+
+            relay.loader.load = slow_load
+            sim.kill()
+            await asyncio.to_thread(sim.start)
+            with pytest.raises(InferenceUnavailable, match="the server restarted"):
+                await client.chat(messages, {"max_completion_tokens": 4}, 1, "policy-1")
+            watcher = asyncio.create_task(relay.watch(lambda: 1))
+            await asyncio.wait_for(loading.wait(), 10)
+            relay.stop()
+            await asyncio.wait_for(watcher, 10)
+            return relay.accepting, relay.served_version, relay.take_metrics()
+
+    accepting, served, metrics = asyncio.run(main())
+    assert accepting and served == 1 and metrics["inference/num_recoveries"] == 1
+    checks = read_checks(tmp_path)
+    assert [(c["step"], c["after_restart"], c["passed"]) for c in checks] == [(1, False, True), (1, True, True)]

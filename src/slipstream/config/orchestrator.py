@@ -92,7 +92,7 @@ class WeightCheckConfig(BaseConfig):
     serves the trainer's weights): the floor follows the largest difference of these, up to this many times the
     starting floor. The gap grows as the policy trains (SmolLM2-135M in float32 on an H200: 0.004-0.013 over the first
     loads, up to 0.039 by step 32), and one measurement of a short probe is noisy (0.0054 on one run's starting
-    weights): a floor fixed at the start stopped 2 of 15 healthy runs within 30 steps, one fixed after 8 loads 1 of 6
+    weights): a floor fixed at the start stopped 2 of 14 healthy runs within 30 steps, one fixed after 8 loads 1 of 6
     at step 32, while one that rose without bound would follow a steadily growing divergence instead of catching it.
     1: the starting weights' floor only."""
 

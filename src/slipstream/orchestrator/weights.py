@@ -70,6 +70,8 @@ class WeightRelay:
         """Set by stop() and when inference is lost, so watch() reacts before its next poll."""
         self._lock = asyncio.Lock()
         """Serialises weight loads: updates and recoveries."""
+        self._reload: asyncio.Future[float | None] | None = None
+        """A recovery's load of the served weights onto the server that came back, while it runs."""
         self.turns: GpuTurns | None = None
         """Colocated (set by the pipeline): vLLM may sleep; it is woken before a load, and a served version can end
         the trainer's turn (colocate.py)."""
@@ -122,7 +124,8 @@ class WeightRelay:
                 pass
 
     def stop(self) -> None:
-        """Let watch() return after its current poll or update (an update is never interrupted; a recovery is)."""
+        """Let watch() return after its current poll or update (an update is never interrupted, nor a recovery that
+        is loading; one still waiting for the server is)."""
         self._stop.set()
         self._wake.set()
 
@@ -166,10 +169,18 @@ class WeightRelay:
         return folder
 
     async def _recover_unless_stopped(self) -> None:
+        """Recover, unless stop() comes first: a recovery still waiting for the server is cancelled, one already
+        loading the served weights onto it is let finish (cancelled mid-load, it would leave the server half-loaded,
+        and the run's final load would find it so and recover once more)."""
         recovery = asyncio.ensure_future(self.ensure_available())
         stopped = asyncio.ensure_future(self._stop.wait())
         try:
             await asyncio.wait([recovery, stopped], return_when=asyncio.FIRST_COMPLETED)
+            reload = self._reload
+            if not recovery.done() and reload is not None:
+                await asyncio.wait([reload])
+                if not reload.cancelled() and reload.exception() is None:
+                    await asyncio.wait([recovery])  # what is left of it runs without waiting
         finally:
             for task in (recovery, stopped):
                 task.cancel()
@@ -204,11 +215,14 @@ class WeightRelay:
             self.client.instance = instance
             if self.turns is not None:
                 self.turns.woke_elsewhere()  # a restarted server starts awake
+            self._reload = asyncio.ensure_future(self._reload_served())
             try:
-                check = await self._reload_served()
+                check = await self._reload
                 break
             except InferenceUnavailable as e:
                 log.warning(f"inference lost again while re-establishing its weights ({e})")
+            finally:
+                self._reload = None
         self.client.mark_available()
         seconds = time.perf_counter() - start
         m = self.pending_metrics
