@@ -45,6 +45,21 @@ def test_train_reward_power_sharpens_train_rewards_only():
         ReverseTextEnv(train_reward_power=0)
 
 
+def test_plain_answer_format_scores_the_whole_reply():
+    tags, plain = ReverseTextEnv(num_tasks=5, seed=1), ReverseTextEnv(num_tasks=5, seed=1, answer_format="plain")
+    assert [t.answer for t in plain.tasks("train")] == [t.answer for t in tags.tasks("train")]  # the same texts
+    task = plain.tasks("train")[0]
+    assert "<reversed_text>" in tags.tasks("train")[0].prompt[0]["content"]
+    assert "<reversed_text>" not in task.prompt[0]["content"] and "only" in task.prompt[0]["content"]
+    assert plain.solution(task) == task.answer and plain.reward(task, f" {task.answer}\n") == 1.0
+    assert tags.solution(task) == f"<reversed_text>{task.answer}</reversed_text>"
+    assert tags.reward(task, tags.solution(task)) == 1.0
+    # tags in a plain reply are part of its answer: not an exact reversal any more
+    assert plain.reward(task, tags.solution(task)) < 0.9
+    with pytest.raises(ValueError, match="answer_format must be one of"):
+        ReverseTextEnv(answer_format="xml")
+
+
 def test_tasks_are_deterministic_and_in_range():
     a = ReverseTextEnv(num_tasks=50, min_words=3, max_words=8, seed=7)
     b = ReverseTextEnv(num_tasks=50, min_words=3, max_words=8, seed=7)
@@ -118,6 +133,13 @@ def test_sft_data_script_writes_solved_examples_in_the_word_range_asked(tmp_path
         lengths.add(len(user["content"].split()))
         assert answer["content"] == f"<reversed_text>{user['content'][::-1]}</reversed_text>"
     assert lengths == {6, 7, 8}
+    plain = tmp_path / "plain"
+    subprocess.run(
+        [sys.executable, str(script), str(plain), "--answer-format", "plain"], capture_output=True, check=True
+    )
+    for line in (plain / "val.jsonl").read_text().splitlines():
+        system, user, answer = json.loads(line)["messages"]
+        assert answer["content"] == user["content"][::-1] and "<reversed_text>" not in system["content"]
     bad = subprocess.run(
         [sys.executable, str(script), str(tmp_path), "--min-words", "5", "--max-words", "2"],
         capture_output=True,
