@@ -82,6 +82,8 @@ def _run_locked(config: RLConfig, run: RunDir) -> int:
     with supervising(Supervisor(grace_s=config.launch.shutdown_grace_s, env=launcher_env(run))) as sup:
         try:
             _say(f"run directory {run.root} (logs in {run.logs_dir}); starting {', '.join(specs)} on this node")
+            if pinned := [f"{name} {','.join(map(str, spec.cpus))}" for name, spec in specs.items() if spec.cpus]:
+                _say(f"CPU cores (deployment.split_cpu_cores): {'; '.join(pinned)}")
             if config.trainer.colocated:
                 _say(_colocated_line(config))
                 if memory is not None:

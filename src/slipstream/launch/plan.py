@@ -17,6 +17,7 @@ from slipstream.launch.colocate_memory import (
     model_parameters,
     plan_colocated,
 )
+from slipstream.launch.cpu_cores import CoreSplit, node_split
 from slipstream.launch.placement import Placement, PlacementError, detect_visible_gpus, place
 from slipstream.rundir import RunDir
 from slipstream.utils.fs import commit_dir
@@ -33,6 +34,8 @@ class ProcessSpec:
     """Variables added to the launcher's environment."""
     must_run_to_end: bool = True
     """True if the run fails when this process exits (inference); False if exit 0 means it finished its work."""
+    cpus: tuple[int, ...] = ()
+    """CPU cores it and everything it starts may run on (launch/cpu_cores.py); empty: the launcher's."""
 
 
 def config_paths(config: RLConfig) -> dict[str, Path]:
@@ -61,37 +64,50 @@ def write_configs(config: RLConfig) -> dict[str, Path]:
     return paths
 
 
-def build_plan(config: RLConfig, python: str = sys.executable, gpus: Sequence[int] | None = None) -> list[ProcessSpec]:
+def build_plan(
+    config: RLConfig,
+    python: str = sys.executable,
+    gpus: Sequence[int] | None = None,
+    cores: Sequence[int] | None = None,
+) -> list[ProcessSpec]:
     """Processes of this node (deployment.run) in start order: inference, trainer (loads its model while vLLM starts),
-    orchestrator; each pinned to its GPUs. `gpus`: the GPUs this node shows (None: detect them)."""
+    orchestrator; each pinned to its GPUs, or on a CPU node to its cores (core_split). `gpus`: the GPUs this node
+    shows, `cores` the CPU cores the launcher may use (None: detect them)."""
     placement = place_config(config, gpus)
     paths, run = config_paths(config), RunDir(config.output_dir)
     cli = [python, "-m", "slipstream"]
     torchrun = torchrun_argv(python, rendezvous_args(config), placement.num_trainer_procs)
     env = {"PYTHONUNBUFFERED": "1"}
-    specs = [
+    split = core_split(config, placement, cores)
+    argv = {
+        "inference": [*cli, "inference", "-c", str(paths["inference"])],
+        "trainer": [*torchrun, "trainer", "-c", str(paths["trainer"])],
+        "orchestrator": [*cli, "orchestrator", "-c", str(paths["orchestrator"])],
+    }
+    return [
         ProcessSpec(
-            "inference",
-            [*cli, "inference", "-c", str(paths["inference"])],
-            run.log_path("inference"),
-            {**env, **placement.env("inference")},
-        ),
-        ProcessSpec(
-            "trainer",
-            [*torchrun, "trainer", "-c", str(paths["trainer"])],
-            run.log_path(trainer_log_name(config)),
-            {**env, **placement.env("trainer")},
-            False,
-        ),
-        ProcessSpec(
-            "orchestrator",
-            [*cli, "orchestrator", "-c", str(paths["orchestrator"])],
-            run.log_path("orchestrator"),
-            {**env, **placement.env("orchestrator")},
-            False,
-        ),
+            role,
+            argv[role],
+            run.log_path(trainer_log_name(config) if role == "trainer" else role),
+            {**env, **placement.env(role), **(split.env(role) if split else {})},
+            must_run_to_end=role == "inference",
+            cpus=split.cpus(role) if split else (),
+        )
+        for role in ("inference", "trainer", "orchestrator")
+        if role in placement.run
     ]
-    return [spec for spec in specs if spec.name in placement.run]
+
+
+def core_split(config: RLConfig, placement: Placement, cores: Sequence[int] | None = None) -> CoreSplit | None:
+    """deployment.split_cpu_cores on a CPU node running vLLM and the trainer side by side (launch/cpu_cores.py);
+    `cores`: the launcher's (None: its CPU affinity)."""
+    side_by_side = {"inference", "trainer"} <= set(placement.run) and not placement.colocated
+    on_gpus = bool(placement.inference_gpus or placement.trainer_gpus)
+    if not config.deployment.split_cpu_cores or on_gpus or not side_by_side:
+        return None
+    per_rank = config.trainer.num_threads
+    threads = None if per_rank is None else per_rank * placement.num_trainer_procs
+    return node_split(threads, config.inference.cpu_threads_bind, cores)
 
 
 def torchrun_argv(python: str, rendezvous: list[str], num_procs: int) -> list[str]:

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,6 +29,18 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass  # not Linux/glibc: process groups still give a clean stop
+
+
+def _child_setup(cpus: tuple[int, ...]) -> Callable[[], None]:
+    """What a child runs before its program: die with the launcher, and keep to `cpus` (if any; inherited by all it
+    starts)."""
+
+    def setup() -> None:
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
 
 
 class ChildFailed(RuntimeError):
@@ -78,7 +90,7 @@ class Supervisor:
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **self.env, **spec.env},
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=_child_setup(spec.cpus),
             )
         self.specs[spec.name] = spec
 
