@@ -41,6 +41,15 @@ def test_split(available, threads, bind, inference, trainer, binds_vllm):
     assert split.env("trainer") == split.env("orchestrator") == {}
 
 
+def test_each_vllm_rank_gets_its_share():
+    split = split_cores([0, 1, 2, 3, 4], 1, None, vllm_ranks=2)
+    assert (split.inference, split.trainer) == ((0, 1, 2, 3), (4,))
+    assert split.env("inference") == {"VLLM_CPU_OMP_THREADS_BIND": "0,1|2,3"}  # one list per rank, as vLLM asks
+    assert split_cores([0, 1], 1, None, vllm_ranks=2) is None  # one core for two ranks
+    named = split_cores([0, 1, 2], 1, "0|1", vllm_ranks=2)  # the user's own per-rank lists stand
+    assert (named.inference, named.trainer, named.env("inference")) == ((0, 1), (2,), {})
+
+
 @pytest.mark.parametrize(
     ("available", "threads", "bind"),
     [
@@ -91,6 +100,9 @@ def test_plan_pins_a_cpu_nodes_processes(monkeypatch):
         for s in build_plan(rl(trainer={"num_threads": 1}, launch={"num_trainer_procs": 2}), gpus=[], cores=[0, 1, 2])
     }
     assert ranks == {"inference": (0,), "trainer": (1, 2), "orchestrator": (0,)}
+    dp_config = rl(trainer={"num_threads": 1}, inference={"data_parallel_size": 2})
+    dp = {s.name: s for s in build_plan(dp_config, gpus=[], cores=[0, 1, 2])}
+    assert dp["inference"].env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1" and dp["trainer"].cpus == (2,)
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin a child to one of them")

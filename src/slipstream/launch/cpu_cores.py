@@ -24,6 +24,8 @@ class CoreSplit:
     trainer: tuple[int, ...]
     bind_vllm: bool
     """Whether the split also binds vLLM's threads (nothing else bound them)."""
+    vllm_ranks: int = 1
+    """vLLM's ranks (tensor x data parallel): each gets its own equal share of the inference cores."""
 
     def cpus(self, role: str) -> tuple[int, ...]:
         return self.trainer if role == "trainer" else self.inference
@@ -31,7 +33,9 @@ class CoreSplit:
     def env(self, role: str) -> dict[str, str]:
         if role != "inference" or not self.bind_vllm:
             return {}
-        return {BIND_ENV: ",".join(str(core) for core in self.inference)}
+        share = len(self.inference) // self.vllm_ranks
+        ranks = [self.inference[r * share : (r + 1) * share] for r in range(self.vllm_ranks)]
+        return {BIND_ENV: "|".join(",".join(str(core) for core in cores) for cores in ranks)}
 
 
 def parse_bind(bind: str) -> list[int] | None:
@@ -52,25 +56,29 @@ def parse_bind(bind: str) -> list[int] | None:
     return sorted(set(cores))
 
 
-def split_cores(available: Sequence[int], trainer_threads: int | None, bind: str | None) -> CoreSplit | None:
+def split_cores(
+    available: Sequence[int], trainer_threads: int | None, bind: str | None, vllm_ranks: int = 1
+) -> CoreSplit | None:
     """The split of `available` (this launcher's cores): vLLM on the cores `bind` names (else all but the last
     `trainer_threads`: the threads of all the trainer's ranks here), the trainer on the last `trainer_threads` of the
     others. None where no split fits: the
-    trainer's thread count unset (torch takes every core), `bind` = nobind, or too few cores for either side."""
+    trainer's thread count unset (torch takes every core), `bind` = nobind, or too few cores for either side (at
+    least one per vLLM rank where the split binds them)."""
     if trainer_threads is None or (bind is not None and bind.strip() == "nobind"):
         return None
     named = parse_bind(bind) if bind is not None else None
     inference = [c for c in available if c in named] if named is not None else list(available[:-trainer_threads])
     rest = [c for c in available if c not in inference]
-    if not inference or len(rest) < trainer_threads:
+    if len(inference) < (vllm_ranks if named is None else 1) or len(rest) < trainer_threads:
         return None
-    return CoreSplit(tuple(inference), tuple(rest[-trainer_threads:]), bind_vllm=named is None)
+    return CoreSplit(tuple(inference), tuple(rest[-trainer_threads:]), named is None, vllm_ranks)
 
 
 def node_split(
-    trainer_threads: int | None, cpu_threads_bind: str | None, cores: Sequence[int] | None = None
+    trainer_threads: int | None, cpu_threads_bind: str | None, cores: Sequence[int] | None = None, vllm_ranks: int = 1
 ) -> CoreSplit | None:
     """split_cores of `cores` (None: this process's CPU affinity), vLLM's binding taken from the config, else the
     environment."""
     bind = cpu_threads_bind if cpu_threads_bind is not None else os.environ.get(BIND_ENV)
-    return split_cores(sorted(os.sched_getaffinity(0)) if cores is None else list(cores), trainer_threads, bind)
+    available = sorted(os.sched_getaffinity(0)) if cores is None else list(cores)
+    return split_cores(available, trainer_threads, bind, vllm_ranks)

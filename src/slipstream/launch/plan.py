@@ -107,7 +107,8 @@ def core_split(config: RLConfig, placement: Placement, cores: Sequence[int] | No
         return None
     per_rank = config.trainer.num_threads
     threads = None if per_rank is None else per_rank * placement.num_trainer_procs
-    return node_split(threads, config.inference.cpu_threads_bind, cores)
+    ranks = placement.tensor_parallel_size * placement.data_parallel_size
+    return node_split(threads, config.inference.cpu_threads_bind, cores, ranks)
 
 
 def torchrun_argv(python: str, rendezvous: list[str], num_procs: int) -> list[str]:
