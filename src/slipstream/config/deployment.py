@@ -65,10 +65,10 @@ class DeploymentConfig(BaseConfig):
     """On a node without GPUs that runs vLLM and the trainer side by side (not colocated), with trainer.num_threads
     set: give the trainer's threads cores of their own (the last ones of the launcher's cores, or those vLLM's binding
     leaves), and vLLM's processes and the orchestrator the others, as CPU affinities; vLLM's threads bind to its cores
-    (an equal share per vLLM rank) unless inference.cpu_threads_bind (or VLLM_CPU_OMP_THREADS_BIND) names them. Otherwise only vLLM's worker threads
-    are bound, and its API server and engine core and the orchestrator run on the trainer's core whenever vLLM's own
-    core is busy: on a 2-core VM (the reverse-text demo) the trainer then trained at ~45 tokens/s against ~74 alone.
-    false: no affinities (the kernel places every process)."""
+    (an equal share per vLLM rank) unless inference.cpu_threads_bind (or VLLM_CPU_OMP_THREADS_BIND) names them.
+    Otherwise only vLLM's worker threads are bound, and its API server and engine core and the orchestrator run on the
+    trainer's core whenever vLLM's own core is busy: on a 2-core VM (the reverse-text demo) the trainer then trained at
+    ~45 tokens/s against ~74 alone. false: no affinities (the kernel places every process)."""
 
     @model_validator(mode="after")
     def _check_roles(self) -> "DeploymentConfig":

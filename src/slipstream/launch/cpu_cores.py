@@ -61,9 +61,8 @@ def split_cores(
 ) -> CoreSplit | None:
     """The split of `available` (this launcher's cores): vLLM on the cores `bind` names (else all but the last
     `trainer_threads`: the threads of all the trainer's ranks here), the trainer on the last `trainer_threads` of the
-    others. None where no split fits: the
-    trainer's thread count unset (torch takes every core), `bind` = nobind, or too few cores for either side (at
-    least one per vLLM rank where the split binds them)."""
+    others. None where no split fits: the trainer's thread count unset (torch takes every core), `bind` = nobind, or
+    too few cores for either side (at least one per vLLM rank where the split binds them)."""
     if trainer_threads is None or (bind is not None and bind.strip() == "nobind"):
         return None
     named = parse_bind(bind) if bind is not None else None
