@@ -54,13 +54,14 @@ def main() -> None:
         for keep in (False, True):
             seconds, results = head_step(keep, *ops)
             times[keep].append(seconds)
-            print(f"repeat {i}: {'keep' if keep else 'recompute'} {seconds:.3f} s", flush=True)
+            print(f"repeat {i}: {'keep' if keep else 'recompute'} {seconds:.4g} s", flush=True)
     _, recomputed = head_step(False, *ops)
     _, kept = head_step(True, *ops)
     for name, a, b in zip(("logprobs", "hidden grad", "weight grad"), recomputed, kept, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
     recompute_s, keep_s = statistics.median(times[False]), statistics.median(times[True])
-    print(f"recompute_s: {recompute_s:.3f} keep_s: {keep_s:.3f} speedup: {recompute_s / keep_s:.2f}")
+    # 4 significant digits, not 3 decimals: a tiny head's sub-millisecond median must not print as 0.000
+    print(f"recompute_s: {recompute_s:.4g} keep_s: {keep_s:.4g} speedup: {recompute_s / keep_s:.3g}")
 
 
 if __name__ == "__main__":

@@ -12,9 +12,13 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.compile_backend import compile_backend
 from tests.distributed.helpers import run_ranks
 
 DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 16, 8, 4, 2, 24
+BACKEND = "aot_eager_decomp_partition"
+"""The compile tests' backend: Dynamo's capture, Inductor's decompositions and partitioner, eager kernels
+(tests/compile_backend.py)."""
 
 
 class _CountExchanges(TorchDispatchMode):
@@ -135,7 +139,8 @@ def _compiled(out_dir: str) -> None:
         install_capacity_hooks(capacity, stack, stack.layers)
         if compiled:
             counters.clear()
-            apply_compile(stack)
+            with compile_backend(BACKEND):
+                apply_compile(stack)
         runs = []
         for step, num_tokens in enumerate((48 + 8 * rank, 40 + 16 * rank)):  # token counts differ by rank and step
             x = torch.randn(1, num_tokens, 64, generator=torch.Generator().manual_seed(10 * rank + step))
@@ -187,7 +192,8 @@ def _compiled_fsdp(out_dir: str) -> None:
             moe.init_weights(0.1)
             stack = _Stack(_Block(moe))
             counters.clear()
-            parallelize_model(stack, mesh, config, torch.bfloat16, compile=compiled, experts=[moe.experts])
+            with compile_backend(BACKEND):
+                parallelize_model(stack, mesh, config, torch.bfloat16, compile=compiled, experts=[moe.experts])
             runs = []
             for step, num_tokens in enumerate((48 + 8 * rank, 40 + 16 * rank)):
                 x = torch.randn(1, num_tokens, 64, generator=torch.Generator().manual_seed(10 * rank + step))

@@ -15,6 +15,7 @@ from slipstream.models.common.moe import TopKRouter, collect_moe_stats
 from slipstream.models.registry import load_pretrained
 from slipstream.parallel.fsdp import parallelize_model
 from slipstream.trainer.policy import Policy
+from tests.compile_backend import compile_backend
 
 T = 48
 
@@ -49,9 +50,10 @@ def _run(policy, inputs, replay: bool):
 
 
 INDUCTOR_FAMILIES = ("qwen3_moe",)
-"""Compiled to kernels by Inductor (the trainer's backend). The other families compile with `aot_eager`: the same
-Dynamo capture (a graph break shows the same way) and AOTAutograd's forward/backward graphs with the checkpointed
-region, without generating kernels: 3-10 s per family instead of 15-135 s (cold Inductor cache) on 2 CPU cores."""
+"""Compiled to kernels by Inductor (the trainer's backend): the suite's one test that builds them for an MoE block. The
+other families, and the other compile tests (tests/compile_backend.py), compile with `aot_eager`: the same Dynamo capture
+(a graph break shows the same way) and AOTAutograd's forward/backward graphs with the checkpointed region, without
+generating kernels: 3-10 s per family instead of 15-135 s (cold Inductor cache) on 2 CPU cores."""
 
 
 @pytest.mark.parametrize(
@@ -68,18 +70,14 @@ region, without generating kernels: 3-10 s per family instead of 15-135 s (cold 
         "nemotron_h",
     ],
 )
-def test_checkpointed_moe_blocks_compile_whole_and_match_eager(tiny_model_factory, family, monkeypatch):
+def test_checkpointed_moe_blocks_compile_whole_and_match_eager(tiny_model_factory, family):
     """bf16 autocast (compiling the grouped experts needs it) flips a few tokens' expert choice between compiled
     and eager kernels, so outputs and gradients are compared under full router replay (the same experts for every
     token in both); the router's own routing is compared by its statistics."""
-    if family not in INDUCTOR_FAMILIES:
-        compile_module = torch.nn.Module.compile
-        monkeypatch.setattr(
-            torch.nn.Module, "compile", lambda m, **kw: compile_module(m, **{"backend": "aot_eager", **kw})
-        )
     model = load_pretrained(tiny_model_factory(family), impl="custom").float()
     eager = Policy(copy.deepcopy(model))
-    compiled = parallelize_model(Policy(model), None, ParallelConfig(activation_checkpointing=True), compile=True)
+    with compile_backend("inductor" if family in INDUCTOR_FAMILIES else "aot_eager"):
+        compiled = parallelize_model(Policy(model), None, ParallelConfig(activation_checkpointing=True), compile=True)
     cfg = model.args
     moe_layers = sum(getattr(layer, "routes_tokens", False) for layer in model.layers)
     inputs = _inputs(moe_layers, cfg.num_experts_per_tok, cfg.num_experts, cfg.vocab_size)
