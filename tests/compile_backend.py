@@ -2,8 +2,9 @@
 AOTAutograd makes of it (forward/backward graphs, checkpointed regions), not the generated code.
 
 `nn.Module.compile` (what `parallel/fsdp.apply_compile` calls on every block) is given a backend: `aot_eager` traces
-and partitions like Inductor but runs the graphs with eager kernels; `aot_eager_decomp_partition` also applies
-Inductor's decompositions and its min-cut partitioner (what decides a checkpointed block's recomputation). On the
+the forward and backward graphs through AOTAutograd as Inductor does, and runs them with eager kernels;
+`aot_eager_decomp_partition` also applies Inductor's decompositions and its min-cut partitioner (what decides a
+checkpointed block's recomputation). On the
 2-core CPU VM generating and building Inductor's C++ kernels for one MoE block takes 15-135 s (cold cache);
 tests/unit/test_compile_moe.py keeps Inductor for one family, so one test still builds real kernels."""
 
