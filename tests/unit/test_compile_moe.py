@@ -51,9 +51,9 @@ def _run(policy, inputs, replay: bool):
 
 INDUCTOR_FAMILIES = ("qwen3_moe",)
 """Compiled to kernels by Inductor (the trainer's backend): the suite's one test that builds them for an MoE block. The
-other families compile with `aot_eager` (as the other compile tests do, tests/compile_backend.py): the same Dynamo capture
-(a graph break shows the same way) and AOTAutograd's forward/backward graphs with the checkpointed region, without
-generating kernels: 3-10 s per family instead of 15-135 s (cold Inductor cache) on 2 CPU cores."""
+other families compile with `aot_eager` (as the other compile tests do, tests/compile_backend.py): the same Dynamo
+capture (a graph break shows the same way) and AOTAutograd's forward/backward graphs with the checkpointed region,
+without generating kernels: 3-10 s per family instead of 15-135 s (cold Inductor cache) on 2 CPU cores."""
 
 
 @pytest.mark.parametrize(
