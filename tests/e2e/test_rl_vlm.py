@@ -4,7 +4,7 @@
 
 Checked: every weight update is verified by the probe within the bfloat16 bound; the batches carry each sample's
 images; the trainer's log-probs of step 1's image samples (the initial weights, M-RoPE, the vision encoder) match the
-log-probs the server sampled them with, within the same bound; the published weights keep the checkpoint's names,
+log-probs the server sampled them with, within twice that bound; the published weights keep the checkpoint's names,
 with the vision encoder unchanged when frozen (one trainer rank), and trained when not (2 FSDP ranks, one unit per
 vision block)."""
 
@@ -28,7 +28,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 EXAMPLE = Path(__file__).parents[2] / "examples" / "count_shapes" / "rl.toml"
 BF16_BOUND = 5e-2
 """The weight check's dtype tolerance for bfloat16 models (orchestrator.weight_check.max_abs_diff's default before
-calibration), and the bound of the trainer-vs-server gap on trained tokens checked below."""
+calibration)."""
+TRAINED_TOKENS_BOUND = 2 * BF16_BOUND
+"""The bound of the trainer-vs-server gap on step 1's trained tokens (two bfloat16 computations of the same weights,
+the trainer's packed path and the stand-in's transformers one). Measured on the frozen-encoder run's 96 tokens: max
+0.045 on one host and 0.0502 on another (mean 0.014); 0.055 with the trainer in float32 (the stand-in's bfloat16
+error alone); with the images' patch rows given in reverse order (a broken image path) max 0.54, mean 0.11."""
 
 
 def running_vlm_server(port: int, model_dir: Path, log_path: Path, env: dict):
@@ -46,8 +51,8 @@ def _config(model_dir: Path, out: Path, port: int) -> dict:
     # On-policy: each step's rollouts come from the weights the stand-in reloaded after the step before, so the
     # trainer-vs-server gap on trained tokens (mismatch_kl) checks every reload, images included, not policy lag.
     config["orchestrator"]["max_async_level"] = 0
-    # Seeded requests: the stand-in samples the same tokens every run, so the measured bf16 gaps (max 0.045 on the
-    # trained tokens of step 1, under the 5e-2 bound) are the same every run, not a draw.
+    # Seeded requests: the stand-in samples the same tokens every run, so on a given host the bf16 gaps on the trained
+    # tokens of step 1 are the same every run, not a draw (they differ by host: TRAINED_TOKENS_BOUND).
     config["orchestrator"]["seed_requests"] = True
     return config
 
@@ -136,7 +141,7 @@ def _check_published_names(model_dir: Path, published: Path, trained_encoder: bo
 
 def _check_trainer_logprobs_match_the_server(model_dir: Path, out: Path) -> None:
     """Step 1's rollouts were sampled by the initial weights: the trainer's path (Policy, images through the image
-    processor, bfloat16 autocast over float32 weights) must give the server's log-probs within the bf16 bound."""
+    processor, bfloat16 autocast over float32 weights) must give the server's log-probs within TRAINED_TOKENS_BOUND."""
     from slipstream.trainer.data import to_packed
     from slipstream.trainer.logprobs import mixed_precision
     from slipstream.trainer.policy import Policy, load_model
@@ -158,4 +163,4 @@ def _check_trainer_logprobs_match_the_server(model_dir: Path, out: Path) -> None
             diff_T = (logprobs_T - packed.inference_logprobs_T).abs()[packed.loss_mask_T]
             worst = max(worst, float(diff_T.max()))
     assert num_images >= 1
-    assert worst <= BF16_BOUND, worst
+    assert worst <= TRAINED_TOKENS_BOUND, worst
