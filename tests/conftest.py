@@ -14,6 +14,24 @@ if (num_threads := share_cores(os.environ, visible_cores())) is not None:
     torch.set_num_threads(num_threads)
 
 
+TIER_ORDER = ("e2e", "distributed")
+"""Test folders run first, in this order (the rest after them, in collection order). `make test` gives pytest-xdist
+whole files in collection order (--dist loadfile --no-loadscope-reorder): the long files (an end-to-end file takes
+30-360 s on the 2-core machine) start first and the many short unit files fill in at the end, so the workers end
+together. xdist's own order, most tests first, left the one-test end-to-end files for last: one worker ran the last
+of them for minutes while the other had nothing left."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Order the collected tests by TIER_ORDER, keeping each file's tests together and in their order."""
+
+    def tier(item: pytest.Item) -> int:
+        parts = Path(str(item.path)).relative_to(Path(__file__).parent).parts
+        return TIER_ORDER.index(parts[0]) if len(parts) > 1 and parts[0] in TIER_ORDER else len(TIER_ORDER)
+
+    items.sort(key=tier)  # stable: each tier keeps collection order
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """`family -> folder` of a tiny random model (seed 0), built on first request and cached for the session."""
