@@ -106,8 +106,10 @@ def rl_config(model: str, out: Path, steps: int, async_level: int, args: argpars
 
 
 def weights_config(args: argparse.Namespace) -> dict:
-    """`[weights]` for --no-stall and --delta (both over nccl); {} for the default transport."""
+    """`[weights]` for --no-stall, --delta and --receive-buffers (over nccl); {} for the default transport."""
     weights: dict = {}
+    if args.receive_buffers is not None:
+        weights["receive_buffers"] = args.receive_buffers
     if args.no_stall:
         weights["no_stall"] = True
     if args.delta:
@@ -397,6 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-stall",
         action="store_true",
         help="weights.no_stall over nccl: versions staged while vLLM generates, swapped in between two engine steps",
+    )
+    p.add_argument(
+        "--receive-buffers",
+        type=int,
+        default=None,
+        help="weights.receive_buffers over nccl: bucket buffers per vLLM worker (its receives posted that far ahead)",
     )
     p.add_argument(
         "--delta",

@@ -460,10 +460,11 @@ def worker(rank: int, args: dict, results) -> None:
     if DEVICE_TYPE == "cuda":
         torch.cuda.set_device(rank)
     device = _device()
-    init = GroupInit(backend, "127.0.0.1", args["store_port"], "bench", 1 + num_receivers)
+    buffers = args["receive_buffers"]
+    init = GroupInit(backend, "127.0.0.1", args["store_port"], "bench", 1 + num_receivers, receive_buffers=buffers)
     pieces_init = GroupInit(
         backend, "127.0.0.1", args["store_port"], "pieces", num_trainers + num_receivers, num_trainers,
-        senders=num_trainers,
+        senders=num_trainers, receive_buffers=buffers,
     )  # fmt: skip
     inits = {"gather": init, "pieces": pieces_init}
     mesh = None
@@ -542,6 +543,7 @@ def run(
     edge_mb: int = EDGE_MB,
     lay_out: bool = False,
     prepare: bool = True,
+    receive_buffers: int = 2,
 ) -> dict:
     num_trainers, num_receivers = SCENARIOS[scenario]
     fs_dir = Path(tempfile.mkdtemp(prefix="slipstream-wt-"))
@@ -561,6 +563,7 @@ def run(
         "device": device,
         "lay_out": lay_out,
         "prepare": prepare,
+        "receive_buffers": receive_buffers,
     }
     with mp.Manager() as manager:
         results = manager.dict()
@@ -618,6 +621,12 @@ def main() -> int:
         "receivers: weights/send/piece_send.py PieceSender.prepare)",
     )
     parser.add_argument(
+        "--receive-buffers",
+        type=int,
+        default=2,
+        help="bucket buffers per receiver (weights.receive_buffers): its receives are posted that far ahead",
+    )
+    parser.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: gloo ranks, a smoke run (figures mean nothing)"
     )
     cli = parser.parse_args()
@@ -643,6 +652,7 @@ def main() -> int:
                 cli.edge_mb,
                 cli.lay_out,
                 not cli.no_prepare,
+                cli.receive_buffers,
             )
             efficiencies.append(r["pieces_efficiency" if "pieces" in paths else "efficiency"])
             print(

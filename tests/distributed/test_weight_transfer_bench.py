@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_both_paths_leave_every_receiver_with_the_same_bytes():
     cmd = [sys.executable, "benchmarks/weight_transfer.py", "--device", "cpu", "--scenarios", "fsdp2"]
     cmd += ["--models", "qwen3-28l-tiny", "--skip-filesystem", "--bucket-mb", "2", "--edge-mb", "1"]
+    cmd += ["--receive-buffers", "3"]  # each receiver posts 2 buckets ahead (weights.receive_buffers)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=280, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -89,7 +89,7 @@ def test_gloo_transfer_through_vllm_survives_a_kill_mid_transfer(tiny_qwen3_dir,
         tiny_qwen3_dir,
         out,
         max_steps=MAX_STEPS,
-        weights={"transport": "gloo", "master_port": free_port(), "bucket_mb": 1},
+        weights={"transport": "gloo", "master_port": free_port(), "bucket_mb": 1, "receive_buffers": 3},
         launch={"inference_restarts": 2, "inference_restart_backoff_s": 0.5},
         orchestrator={"recovery": {"timeout_s": 400, "backoff_max_s": 2}},
     )
@@ -118,6 +118,8 @@ def test_gloo_transfer_through_vllm_survives_a_kill_mid_transfer(tiny_qwen3_dir,
     assert attempts[frozen] == 2 and all(a == 1 for s, a in attempts.items() if s != frozen), attempts
     trainer_log = (out / "logs" / "trainer.log").read_text()
     assert f"sending the weights of step {frozen} failed" in trainer_log
+    # each worker received into 3 bucket buffers (weights.receive_buffers), before the kill and after the restart
+    assert (out / "logs" / "inference.log").read_text().count("(gloo, 3 receive buffers)") >= 2
 
     checks = [c for c in _read_jsonl(out / "weight_checks.jsonl") if c["kind"] == "update"]  # not the calibration
     assert all(c["passed"] for c in checks), checks

@@ -85,6 +85,7 @@ def test_each_received_version_comes_from_the_workers_log_with_its_host_time(tmp
         ["--compile", "--packed-attention", "flex", "--no-stall", "--profile-steps", "6", "7"],
         ["--delta", "--lr", "1e-5", "--stream-interval", "8"],
         ["--colocate", "--gpu", "1", "--sleep-level", "0", "--eager"],
+        ["--receive-buffers", "4"],
     ],
 )
 def test_the_loops_config_is_one_slipstream_rl_accepts(tmp_path, argv):
@@ -96,4 +97,5 @@ def test_the_loops_config_is_one_slipstream_rl_accepts(tmp_path, argv):
     config = load_config(RLConfig, ["-c", str(path)])
     assert config.trainer.packed_attention == args.packed_attention and config.trainer.compile == args.compile
     assert config.weights.no_stall == args.no_stall and config.weights.delta.enabled == args.delta
+    assert config.weights.receive_buffers == (args.receive_buffers or 2)
     assert config.deployment.colocate == (True if args.colocate else None)

@@ -205,6 +205,8 @@ _GOOD_INIT = {"backend": "gloo", "master_addr": "h", "master_port": 1, "session"
 @example(init_info={**_GOOD_INIT, "rank_offset": 5})
 @example(init_info={**_GOOD_INIT, "timeout_s": math.inf})
 @example(init_info={**_GOOD_INIT, "world_size": 4, "rank_offset": 2, "senders": 3})
+@example(init_info={**_GOOD_INIT, "receive_buffers": 1})
+@example(init_info={**_GOOD_INIT, "receive_buffers": True})
 def test_a_malformed_init_info_is_refused_before_joining(init_info):
     """`master_port: "x"` used to pass and make the worker wait on a store it can never reach."""
     try:
@@ -215,7 +217,7 @@ def test_a_malformed_init_info_is_refused_before_joining(init_info):
         assert "init_info" in str(e) or "weight transfer" in str(e), str(e)
     else:
         assert 0 < init.master_port < 65536 and 1 <= init.rank_offset < init.world_size and init.timeout_s > 0
-        assert 1 <= init.senders <= init.rank_offset
+        assert 1 <= init.senders <= init.rank_offset and init.receive_buffers >= 2
 
 
 # -- marker files: the weight hand-over, probes, trainer progress, step logs, orchestrator state -------------------

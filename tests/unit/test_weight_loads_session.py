@@ -9,6 +9,7 @@ import pytest
 
 from slipstream.config.weights import WeightsConfig
 from slipstream.orchestrator.weight_loads import WeightLoader
+from slipstream.weights.wire.collective import GroupInit
 from slipstream.weights.wire.offers import OFFER, read_offer
 from slipstream.weights.wire.published import weights_dir
 
@@ -38,6 +39,14 @@ def test_session_has_the_offers_senders_then_the_workers(tmp_path):
     _offer(tmp_path, 3)  # an older trainer's offer: rank 0 alone sends
     init = asyncio.run(loader._maybe_new_session(read_offer(tmp_path, 3)))
     assert init["world_size"] == 4 and init["rank_offset"] == 1
+
+
+def test_session_carries_the_workers_receive_buffers(tmp_path):
+    weights = WeightsConfig(transport="gloo", master_port=29500, receive_buffers=5)
+    _offer(tmp_path, 1)
+    init = asyncio.run(WeightLoader(_Client(), tmp_path, weights)._maybe_new_session(read_offer(tmp_path, 1)))
+    assert init["receive_buffers"] == 5
+    assert GroupInit(**init).receive_buffers == 5  # what each worker joins with (WeightReceiver.join)
 
 
 @pytest.mark.parametrize("senders", [0, -1, "2", True, 1.5])

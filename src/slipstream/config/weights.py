@@ -50,8 +50,16 @@ class WeightsConfig(BaseConfig):
     bucket_mb: int = Field(512, ge=1)
     """Size of one transfer bucket in MiB: tensors of one dtype are packed into flat buffers of at most this size
     (a tensor larger than a bucket travels alone). Each sending trainer rank keeps up to 3 such buffers (the model's
-    largest bucket each) on its device between versions; each inference worker keeps 2 (4 when several trainer
-    ranks send) between versions, on top of vLLM's memory (gpu_memory_utilization leaves room for them)."""
+    largest bucket each) on its device between versions; each inference worker keeps `receive_buffers` (twice as
+    many when several trainer ranks send) between versions, on top of vLLM's memory (gpu_memory_utilization leaves
+    room for them)."""
+
+    receive_buffers: int = Field(2, ge=2)
+    """Bucket buffers each inference worker receives into (collective transports): it posts the receives of this
+    many buckets minus one ahead of the bucket it is loading, so the trainer can send that far ahead of the worker's
+    own loads. 2: the next bucket is received while this one loads. More lets the link run while a worker's host is
+    slow to queue its loads (the paused loads of benchmarks/RESULTS.md's 2 x H200 runs: 3.1-7.0 ms of host time
+    against 3.3 ms of link for Qwen3-0.6B's shape), at the cost of one largest bucket of device memory each."""
 
     edge_bucket_mb: int | None = Field(32, ge=1)
     """Where every trainer rank sends its own rows (collective transports; the stream need not follow the model's

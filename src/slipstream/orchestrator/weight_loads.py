@@ -163,6 +163,7 @@ class WeightLoader:
             "rank_offset": senders,
             "senders": senders,
             "timeout_s": 600.0,
+            "receive_buffers": self.weights.receive_buffers,
         }
 
 

@@ -1,6 +1,6 @@
 """The receiving side of a weight stream's broadcasts (weights/wire/stream.py's BroadcastSink, or several
-senders' pieces, weights/wire/pieces.py): each bucket lands in one of two reused buffers while the caller loads the one
-before, and is handed on as (name, tensor) views.
+senders' pieces, weights/wire/pieces.py): each bucket lands in one of a few reused buffers (`weights.receive_buffers`,
+2 by default) while the caller loads the ones before, and is handed on as (name, tensor) views.
 
 Buffers and every view into them are kept from one version to the next while the plan is the same (it is, every
 step of a run): a version then costs a few operations per bucket on the receiving host, not a view per tensor
@@ -20,17 +20,22 @@ DirectLoader = Callable[[Bucket, torch.Tensor], bool]
 """Loads a bucket straight from its wire buffer (uint8, its piece layout) and returns True, or returns False."""
 
 NUM_SLOTS = 2
-"""Buckets in flight on a receiver: one being loaded while the next is received."""
+"""Buckets in flight on a receiver by default (weights.receive_buffers): one being loaded while the next is
+received."""
 
 
 class ReceiveBuffers:
-    """A receiver's bucket buffers and the views into them, for one plan at a time: `NUM_SLOTS` buffers of the
-    largest bucket. With several senders these take the wire layout, and as many more (allocated at the first bucket
-    laid out whole) the tensors laid out whole; loads that read the wire need no more."""
+    """A receiver's bucket buffers and the views into them, for one plan at a time: `num_slots` buffers of the
+    largest bucket (no more than the plan has buckets). With several senders these take the wire layout, and as many
+    more (allocated at the first bucket laid out whole) the tensors laid out whole; loads that read the wire need no
+    more."""
 
-    def __init__(self, device: torch.device, keep_all: bool = False) -> None:
+    def __init__(self, device: torch.device, keep_all: bool = False, num_slots: int = NUM_SLOTS) -> None:
+        _check_slots(num_slots)
         self.device = device
         self.keep_all = keep_all
+        self.num_slots = num_slots
+        """Buffers (and so buckets received ahead of the caller's loads); `keep_all` ignores it."""
         """A buffer of its own per bucket, all allocated at `start`: every bucket's views stay valid until the next
         version (staging, weights/receive/staging.py: one copy of the published weights; with several senders 2 wire
         buffers more)."""
@@ -42,6 +47,13 @@ class ReceiveBuffers:
         self.copies: dict[int, list[torch.Tensor]] = {}
         """Bucket index -> its wire segments in the whole layout's order (several senders)."""
 
+    def resize(self, num_slots: int) -> None:
+        """Use `num_slots` buffers from the next plan on (the ones held now are let go when that changes)."""
+        if num_slots != self.num_slots:
+            _check_slots(num_slots)
+            self.release()
+            self.num_slots = num_slots
+
     def start(self, manifest: Manifest) -> None:
         """Keep everything when the plan is the one of the last version; else size the buffers for this plan."""
         if manifest.buckets is self.buckets or manifest.buckets == self.buckets:
@@ -50,7 +62,7 @@ class ReceiveBuffers:
         buckets = manifest.buckets
         self.buckets = buckets
         size = max((b.nbytes for b in buckets), default=0)
-        n = min(NUM_SLOTS, len(buckets))
+        n = min(self.num_slots, len(buckets))
         if manifest.senders > 1:
             self.wires = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(n)]
         if self.keep_all:
@@ -97,20 +109,22 @@ def receive_buckets(
     buffers: ReceiveBuffers | None = None,
     direct: DirectLoader | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yields each bucket's (name, tensor) views, in plan order. The next bucket is already being received while the
-    caller loads this one, into the second of two buffers of the largest bucket's size; a bucket's views are valid
-    until the next bucket is requested (its buffer then receives the bucket after that: a caller that keeps views
-    longer, as vLLM's layer-wise reload does, copies them; weights/receive/engine.py keep_deferred_loads). Pieces
-    of several senders arrive on `group`'s lanes (side by side) into two more such buffers and are laid out whole by
-    one copy, unless `direct(bucket, wire)` (asked first, on the caller's stream) loads the bucket straight from its
+    """Yields each bucket's (name, tensor) views, in plan order. The receives of the next buckets are posted before
+    the caller loads this one, one per free buffer of the largest bucket's size (`buffers.num_slots`, 2 by default:
+    the next bucket only): with more buffers the sender may run further ahead of a receiver's host, whose loads then
+    pace the stream less. A bucket's views are valid until the next bucket is requested (its buffer may then receive
+    a later bucket: a caller that keeps views longer, as vLLM's layer-wise reload does, copies them;
+    weights/receive/engine.py keep_deferred_loads). Pieces of several senders arrive on `group`'s lanes (side by
+    side) into as many more such buffers and are laid out whole by one copy, unless `direct(bucket, wire)` (asked first, on the caller's stream) loads the bucket straight from its
     wire buffer and returns True: that bucket is not laid out and not yielded (a copy plan composed with the piece
     layout, weights/receive/copy_plan.py). `buffers` (kept by the caller from one version to the next) hold the buffers
     and views.
 
     On CUDA the broadcasts are queued from a receive stream that holds only the waits for free buffers: bucket k+1's
     broadcasts are queued before the caller's stream waits for bucket k (an event per work), so on each NCCL stream
-    they follow bucket k's without a gap, and the receive of bucket k+2 waits only for what read bucket k's buffer:
-    the caller's loads of bucket k (one sender), or the layout copy or direct loads of bucket k (several)."""
+    they follow bucket k's without a gap, and the receive of bucket k + n (n buffers) waits only for what read bucket
+    k's buffer: the caller's loads of bucket k (one sender), or the layout copy or direct loads of bucket k
+    (several)."""
     buckets = manifest.buckets
     lanes = len(group.groups) if isinstance(group, Lanes) else 1
     if lanes != manifest.senders:
@@ -122,7 +136,9 @@ def receive_buckets(
         return
     buffers = buffers if buffers is not None else ReceiveBuffers(device)
     buffers.start(manifest)
-    num_slots = len(buffers.slots)
+    # The buffers the receives fill: the wire buffers with several senders (staging keeps a layout slot per bucket
+    # but only these few wire buffers), else the slots.
+    num_slots = len(buffers.wires) if manifest.senders > 1 else len(buffers.slots)
     recv_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     loaded: dict[int, torch.cuda.Event] = {}
 
@@ -143,26 +159,33 @@ def receive_buckets(
                 recv_stream.wait_event(loaded.pop(i - num_slots))
             return _start(group, manifest, buffers, i)
 
-    works = start(0)
+    pending: dict[int, list] = {}
+    posted = 0
     for i in range(len(buckets)):
         if recv_stream is not None and i >= 1 and manifest.senders == 1:
-            # The caller's loads of bucket i - 1 are queued by now, so its buffer may take bucket i + 1.
+            # The caller's loads of bucket i - 1 are queued by now, so its buffer may take bucket i - 1 + num_slots.
             loaded[i - 1] = torch.cuda.current_stream(device).record_event()
-        following = start(i + 1) if i + 1 < len(buckets) else []
-        for work in works:
+        while posted < min(len(buckets), i + num_slots):  # every buffer not holding bucket i takes a later bucket
+            pending[posted] = start(posted)
+            posted += 1
+        for work in pending.pop(i):
             work.wait()  # CUDA: the caller's stream waits for bucket i's broadcasts, not this thread
-        works = following
         if manifest.senders > 1:
             taken = direct is not None and direct(buckets[i], buffers.wire(i))
             if not taken:
                 buffers.reassemble(i)  # on the caller's stream, after bucket i arrived and before its loads
             if recv_stream is not None:
-                # Bucket i's wire buffer may take bucket i + 2 once read: laid out (the loads read the layout), or
+                # Bucket i's wire buffer may take bucket i + num_slots once read: laid out (the loads read the layout), or
                 # loaded from directly.
                 loaded[i] = torch.cuda.current_stream(device).record_event()
             if taken:
                 continue
         yield buffers.views(i)
+
+
+def _check_slots(num_slots: int) -> None:
+    if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 2:
+        raise ValueError(f"a receiver needs at least 2 bucket buffers (weights.receive_buffers), got {num_slots!r}")
 
 
 def _start(group, manifest: Manifest, buffers: ReceiveBuffers, i: int) -> list:

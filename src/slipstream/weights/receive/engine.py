@@ -88,7 +88,12 @@ class SlipstreamWeightTransferEngine(WeightTransferEngine[GroupInit, SlipstreamU
     def init_transfer_engine(self, init_info: GroupInit) -> None:
         self.stager.release()
         self.receiver.join(init_info)
-        logger.info("slipstream weight transfer: joined session %s (%s)", init_info.session, init_info.backend)
+        logger.info(
+            "slipstream weight transfer: joined session %s (%s, %d receive buffers)",
+            init_info.session,
+            init_info.backend,
+            init_info.receive_buffers,
+        )
 
     def start_weight_update(self) -> None:
         if self._layerwise:

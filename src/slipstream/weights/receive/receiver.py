@@ -74,8 +74,8 @@ class WeightReceiver:
         self.group = None
         self.store = None
         self.buffers = ReceiveBuffers(device)
-        """Bucket buffers kept from one version to the next: 2 of the largest bucket (with several senders, 2 more
-        once a bucket has to be laid out whole)."""
+        """Bucket buffers kept from one version to the next: the session's `receive_buffers` (2 by default) of the
+        largest bucket (with several senders, as many more once a bucket has to be laid out whole)."""
         self.mirror = DeltaMirror(device)
         """Delta updates: the last version's buckets (weights/receive/delta_receive.py), for this session only."""
 
@@ -88,6 +88,7 @@ class WeightReceiver:
         self.store = open_store(init.master_addr, init.master_port, is_master=False, timeout_s=init.timeout_s)
         self.group = open_group(self.store, init, rank, self.device)
         self.init = init
+        self.buffers.resize(init.receive_buffers)
 
     def receive(
         self,
@@ -101,8 +102,8 @@ class WeightReceiver:
         `{"step": N, "manifest": {...}}` receives the manifest's buckets from the sender's broadcast, or with
         `"shared": handle` reads them from the trainer's shared buffer. `direct` may load a bucket of several
         senders' pieces straight from its wire buffer (weights/receive/bucket_receive.py); `load` gets every other
-        one. `buffers`: where a plain broadcast lands instead of the receiver's own two reused ones (staging keeps
-        a buffer per bucket, weights/receive/staging.py)."""
+        one. `buffers`: where a plain broadcast lands instead of the receiver's own reused ones (staging keeps
+        a buffer per bucket, weights/receive/staging.py, and as many wire buffers as the receiver's own)."""
         start = time.perf_counter()
         delta = marked_s = host_s = None
         load_s = 0.0

@@ -88,6 +88,7 @@ class Stager:
         manifest = Manifest.from_dict(update_info["manifest"])
         if not manifest.delta:  # a delta lands in the receiver's mirror: no memory more
             try:
+                self.buffers.resize(self.receiver.buffers.num_slots)  # its wire buffers (several senders)
                 self.buffers.start(manifest)
             except RuntimeError as e:  # torch's allocation failure (CPU: RuntimeError; CUDA: OutOfMemoryError)
                 self.buffers.release()

@@ -39,6 +39,9 @@ class GroupInit:
     senders: int = 1
     """Trainer ranks that send, ranks 0 .. senders - 1 (each its own rows). With more than one, every member joins
     the lanes it belongs to (`Lanes`) instead of one group of every rank."""
+    receive_buffers: int = 2
+    """Bucket buffers each receiver receives into (weights.receive_buffers): it posts the receives of that many
+    buckets minus one ahead of the bucket it loads."""
 
     def __post_init__(self) -> None:
         for name, kind in (("master_addr", str), ("session", str), ("master_port", int), ("world_size", int)):
@@ -75,6 +78,14 @@ class GroupInit:
             raise ValueError(
                 f"weight transfer init_info: senders must be an integer from 1 to rank_offset ({self.rank_offset}), "
                 f"got {self.senders!r}"
+            )
+        if (
+            not isinstance(self.receive_buffers, int)
+            or isinstance(self.receive_buffers, bool)
+            or self.receive_buffers < 2
+        ):
+            raise ValueError(
+                f"weight transfer init_info: receive_buffers must be an integer >= 2, got {self.receive_buffers!r}"
             )
         if self.rank_offset >= self.world_size:
             raise ValueError(
