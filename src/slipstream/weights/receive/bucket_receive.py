@@ -34,11 +34,12 @@ class ReceiveBuffers:
         _check_slots(num_slots)
         self.device = device
         self.keep_all = keep_all
-        self.num_slots = num_slots
-        """Buffers (and so buckets received ahead of the caller's loads); `keep_all` ignores it."""
         """A buffer of its own per bucket, all allocated at `start`: every bucket's views stay valid until the next
-        version (staging, weights/receive/staging.py: one copy of the published weights; with several senders 2 wire
-        buffers more)."""
+        version (staging, weights/receive/staging.py: one copy of the published weights; with several senders
+        `num_slots` wire buffers more)."""
+        self.num_slots = num_slots
+        """Buffers the receives fill (and so buckets received ahead of the caller's loads): the slots, or with several
+        senders the wire buffers."""
         self.buckets: tuple[Bucket, ...] | None = None
         self.slots: list[torch.Tensor | None] = []
         self.wires: list[torch.Tensor] = []
@@ -115,10 +116,10 @@ def receive_buckets(
     pace the stream less. A bucket's views are valid until the next bucket is requested (its buffer may then receive
     a later bucket: a caller that keeps views longer, as vLLM's layer-wise reload does, copies them;
     weights/receive/engine.py keep_deferred_loads). Pieces of several senders arrive on `group`'s lanes (side by
-    side) into as many more such buffers and are laid out whole by one copy, unless `direct(bucket, wire)` (asked first, on the caller's stream) loads the bucket straight from its
-    wire buffer and returns True: that bucket is not laid out and not yielded (a copy plan composed with the piece
-    layout, weights/receive/copy_plan.py). `buffers` (kept by the caller from one version to the next) hold the buffers
-    and views.
+    side) into as many more such buffers and are laid out whole by one copy, unless `direct(bucket, wire)` (asked
+    first, on the caller's stream) loads the bucket straight from its wire buffer and returns True: that bucket is not
+    laid out and not yielded (a copy plan composed with the piece layout, weights/receive/copy_plan.py). `buffers`
+    (kept by the caller from one version to the next) hold the buffers and views.
 
     On CUDA the broadcasts are queued from a receive stream that holds only the waits for free buffers: bucket k+1's
     broadcasts are queued before the caller's stream waits for bucket k (an event per work), so on each NCCL stream
@@ -175,8 +176,8 @@ def receive_buckets(
             if not taken:
                 buffers.reassemble(i)  # on the caller's stream, after bucket i arrived and before its loads
             if recv_stream is not None:
-                # Bucket i's wire buffer may take bucket i + num_slots once read: laid out (the loads read the layout), or
-                # loaded from directly.
+                # Bucket i's wire buffer may take bucket i + num_slots once read: laid out (the loads read the
+                # layout), or loaded from directly.
                 loaded[i] = torch.cuda.current_stream(device).record_event()
             if taken:
                 continue
