@@ -4,11 +4,12 @@ for, its tokens are stamped v0 then v1, the update's probe check passes, and eve
 trainer computes: the old weights for v0 tokens; for v1 tokens the new weights reading the KV cache the old weights
 wrote (nothing is recomputed at resume).
 
-Both tests use the worker's session server (tests/e2e/conftest.py's tiny_inference, started by `slipstream rl` with
-deployment.run = ["inference"]) instead of a vLLM start of their own (25-38 s on the 2-core CI machine): the in-flight
-test first has the model's own weights loaded back, as a run's orchestrator does on a server another run used."""
+The server is shared with test_admin_endpoints_need_the_token (moved here from test_inference_admin.py): one vLLM
+start (~25 s on the 2-core CI machine) for both tests."""
 
 import asyncio
+import os
+import sys
 
 import httpx
 import pytest
@@ -22,6 +23,7 @@ from slipstream.rollout.record import cache_salt
 from slipstream.rollout.streaming import StreamedChat
 from slipstream.rundir import WEIGHT_CHECKS_FILE
 from slipstream.weights.send.folder import build_probe_token_ids, publish_weights
+from tests.e2e.helpers import free_port, running_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -32,13 +34,31 @@ TOLERANCE = 1e-3  # fp32 vLLM CPU vs fp32 transformers: ~1e-5 in practice (see t
 MESSAGES = [{"role": "user", "content": "Count slowly from one to one hundred, one number per line."}]
 
 
-def test_admin_endpoints_need_the_token(tiny_inference):
-    """The real vLLM server Slipstream starts rejects admin calls without its token (and leaves it resumed)."""
-    url = tiny_inference.url
+TOKEN = "inflight-e2e"
+
+
+def server_argv(model_dir, port: int) -> list[str]:
+    argv = [sys.executable, "-m", "slipstream", "inference", "--model.name", str(model_dir), "--port", str(port)]
+    return argv + ["--max_model_len", "1024", "--max_num_seqs", "4"]
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_qwen3_dir, tmp_path_factory):
+    """`slipstream inference` on the tiny Qwen3 with admin token TOKEN, started once for this module's tests: its URL.
+    The admin test leaves it resumed and serving the model's own weights; only the in-flight test loads others."""
+    port, log_path = free_port(), tmp_path_factory.mktemp("inference") / "inference.log"
+    url = f"http://127.0.0.1:{port}"
+    with running_server(server_argv(tiny_qwen3_dir, port), url, log_path, {**os.environ, TOKEN_ENV: TOKEN}):
+        yield url
+
+
+def test_admin_endpoints_need_the_token(tiny_server):
+    """The real vLLM server started by `slipstream inference` rejects admin calls without the run's token."""
+    url = tiny_server
     for path in ("/pause", "/resume", "/collective_rpc", "/reset_prefix_cache"):
         assert httpx.post(f"{url}{path}", timeout=10).status_code == 401, path
         assert httpx.post(f"{url}{path}", headers={HEADER: "wrong"}, timeout=10).status_code == 401, path
-    good = {HEADER: tiny_inference.token}
+    good = {HEADER: TOKEN}
     assert httpx.post(f"{url}/pause", params={"mode": "keep"}, headers=good, timeout=30).status_code == 200
     assert httpx.get(f"{url}/is_paused", headers=good, timeout=10).json() == {"is_paused": True}
     assert httpx.post(f"{url}/resume", headers=good, timeout=30).status_code == 200
@@ -75,9 +95,9 @@ def expected_logprobs(old, new, prompt_ids: list[int], completion_ids: list[int]
     return logprobs[len(prompt_ids) - 1 :].tolist()
 
 
-def test_a_streamed_request_continues_across_an_inflight_update(tiny_qwen3_dir, tmp_path, monkeypatch, tiny_inference):
-    monkeypatch.setenv(TOKEN_ENV, tiny_inference.token)  # the orchestrator's client sends it with admin calls
-    url, out = tiny_inference.url, tmp_path / "run"
+def test_a_streamed_request_continues_across_an_inflight_update(tiny_qwen3_dir, tmp_path, monkeypatch, tiny_server):
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)  # the orchestrator's client sends it with admin calls
+    url, out = tiny_server, tmp_path / "run"
     old, new = perturbed_copy(tiny_qwen3_dir, out)
     config = OrchestratorConfig(
         model={"name": str(tiny_qwen3_dir)}, output_dir=out, max_steps=1, inference_url=url,
@@ -110,7 +130,6 @@ async def stream_across_update(config: OrchestratorConfig) -> tuple[StreamedChat
     async with InferenceClient(config.inference_url, config.model.name, request_timeout_s=300) as client:
         instance = await client.wait_healthy(60)
         relay = WeightRelay(client, config)
-        await relay.serve_initial()  # the model's own weights (v0), whatever a run before left on the shared server
         chat = StreamedChat(2, lambda: relay.served_version, f"{config.inference_url} (stream)")
         sampling = {"temperature": 1.0, "max_completion_tokens": MAX_TOKENS, "ignore_eos": True}
         reached = asyncio.Event()
